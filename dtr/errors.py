@@ -1,0 +1,60 @@
+"""The errors dtr raises. Every message says what was observed and what to do next."""
+
+from __future__ import annotations
+
+__all__ = ["DTRError", "OutOfBudgetError", "InfeasibleBudgetError"]
+
+
+class DTRError(RuntimeError):
+    """Base class of the errors raised by dtr's runtime."""
+
+
+class OutOfBudgetError(DTRError):
+    """The storages an operation needs at once do not fit in the budget.
+
+    Raised before the operation's result is handed to the program, so the engine and every
+    tensor stay usable: raise ``engine.budget`` (or shrink the batch) and go on.
+
+    Attributes:
+        needed_bytes: bytes that had to be resident at once (locked inputs, outputs, and
+            storages that cannot be recomputed).
+        budget: the budget in bytes at the time.
+        op: name of the operation (or ``"set budget"``) that could not be accommodated.
+    """
+
+    def __init__(self, needed_bytes: int, budget: int, op: str, detail: str = "") -> None:
+        self.needed_bytes = int(needed_bytes)
+        self.budget = int(budget)
+        self.op = op
+        msg = (
+            f"dtr: {op} needs {_fmt(self.needed_bytes)} resident at once, "
+            f"but the budget is {_fmt(self.budget)}."
+        )
+        if detail:
+            msg += " " + detail
+        msg += (
+            f" Raise the budget to at least {_fmt(self.needed_bytes)} "
+            "(engine.budget = ...) or reduce the batch size, then run the step again."
+        )
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.needed_bytes, self.budget, self.op))
+
+
+class InfeasibleBudgetError(ValueError):
+    """A static plan cannot meet the budget; ``min_budget`` is the smallest feasible one."""
+
+    def __init__(self, message: str, min_budget: float) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.min_budget))
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
