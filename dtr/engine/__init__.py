@@ -1,0 +1,34 @@
+"""The torch-free DTR engine: storages, op records, eviction, rematerialization.
+
+Drivers (the eager tensor subclass, and the trace simulator) supply values and an executor
+that can replay an op record; this package never imports torch (a test checks it).
+"""
+
+from dtr.engine.heuristics import (
+    DTREq,
+    Heuristic,
+    LRU,
+    heuristic_names,
+    make_heuristic,
+    register_heuristic,
+)
+from dtr.engine.runtime import Executor, Runtime
+from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.telemetry import Counters, Stats
+
+__all__ = [
+    "Cell",
+    "Counters",
+    "DTREq",
+    "Executor",
+    "Heuristic",
+    "LRU",
+    "OpRecord",
+    "Runtime",
+    "State",
+    "Stats",
+    "Storage",
+    "heuristic_names",
+    "make_heuristic",
+    "register_heuristic",
+]

@@ -1,0 +1,739 @@
+"""The DTR runtime: memory accounting, eviction, rematerialization, lineage release.
+
+A driver calls, under ``runtime.lock``:
+
+1. ``acquire(cells)``: lock the storages an op reads and make the cells defined, replaying
+   evicted ancestors as needed (iteratively, with counted locks);
+2. run the op itself (the runtime never runs kernels, only ``executor.replay``);
+3. ``complete(record, mutated, fresh)``: register the outputs, make room under the budget by
+   evicting the lowest-scoring storages, and unlock the inputs (or ``unlock(cells)`` if the op
+   failed).
+
+Wrappers are tracked with ``track``; when one dies its storage loses a reference (queued by
+a weakref callback and applied by ``drain`` at the next entry, so that a garbage collection
+in the middle of runtime code can never re-enter it).
+
+Invariants (checked by ``check_invariants``; cited by number in the code):
+
+1. Resident bytes ≤ budget, except inside one op: its inputs and outputs must be resident at
+   once, so ``complete`` evicts only after the outputs exist.
+2. A locked storage is never evicted or released.
+3. Every evicted storage can be recomputed: its parent record is replayable and the record's
+   input storages are not released (``uses`` keeps them).
+4. Replays are pure (see storage.py, Note [Versions]; the executor restores RNG state).
+5. A view cell is defined only while its storage is resident.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from heapq import heapify, heappop, heappush
+from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+
+from dtr.engine.heuristics import Heuristic
+from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.telemetry import Counters
+from dtr.errors import OutOfBudgetError
+
+__all__ = ["Executor", "Ref", "Runtime"]
+
+RESIDENT = State.RESIDENT
+EVICTED = State.EVICTED
+EXTERNAL = State.EXTERNAL
+RELEASED = State.RELEASED
+
+
+class Executor(Protocol):
+    """What a driver gives the runtime so that it can recompute storages.
+
+    ``views_alias_data``: True when a view's value shares memory with its storage, so that an
+    in-place write to the storage is visible through the views' existing values (torch);
+    the runtime then keeps those values across the write instead of re-deriving them.
+    """
+
+    views_alias_data: bool
+
+    def replay(self, record: OpRecord) -> Tuple[Sequence[Any], float]:
+        """Run ``record`` again on the values of ``record.inputs`` (all defined).
+
+        Returns the output values, aligned with ``record.outputs``, and the cost of the replay
+        in seconds (measured or estimated).
+        """
+
+    def forget(self, record: OpRecord) -> None:
+        """``record`` will never be replayed again; drop what its payload holds."""
+
+
+class Ref(weakref.ref):
+    """A program-held wrapper's link to its cell; the callback tells the runtime it died."""
+
+    __slots__ = ("cell",)
+
+
+def _noop(storage: Storage) -> None:
+    pass
+
+
+def _deepest(cells: List[Cell]) -> Cell:
+    """The missing input whose recomputation looks deepest: the most missing inputs of its
+    own parent (one level of lookahead; Note [Order of rematerialization])."""
+    if len(cells) == 1:
+        return cells[0]
+    best, depth = cells[0], -1
+    for c in cells:
+        rec = c.parent
+        d = 0 if rec is None else sum(1 for i in rec.inputs if i.value is None)
+        if d > depth:
+            best, depth = c, d
+    return best
+
+
+class Runtime:
+    """One DTR engine instance: the storages of one ``dtr.budget`` block.
+
+    Args:
+        budget: bytes, or None to track without evicting for budget.
+        heuristic: scoring object (see heuristics.py).
+        executor: replays records (see ``Executor``).
+    """
+
+    def __init__(self, budget: Optional[int], heuristic: Heuristic, executor: Executor) -> None:
+        self.budget = budget
+        self.heuristic = heuristic
+        self._score = heuristic.score
+        self._on_evict = getattr(heuristic, "on_evict", _noop)
+        self._on_materialize = getattr(heuristic, "on_materialize", _noop)
+        self._on_release = getattr(heuristic, "on_release", _noop)
+        self.executor = executor
+        self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
+        self.lock = threading.RLock()
+        self.memory = 0
+        self.peak = 0
+        self.clock = 0
+        self.counters = Counters()
+        self.closed = False
+        self.resident: dict = {}  # Storage -> None, in order of becoming resident
+        self._all: dict = {}  # every storage not yet released
+        self._refs: dict = {}  # id(Ref) -> Ref, for live wrappers
+        self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
+        self._sid = 0
+
+    # ------------------------------------------------------------------ wrappers
+
+    def track(self, wrapper: Any, cell: Cell) -> Ref:
+        """Count ``wrapper`` as a program reference to ``cell``'s storage until it dies."""
+        ref = Ref(wrapper, self._on_wrapper_death)
+        ref.cell = cell
+        self._refs[id(ref)] = ref
+        cell.storage.refs += 1
+        return ref
+
+    def _on_wrapper_death(self, ref: Ref) -> None:
+        # May run on any thread, inside any code (garbage collection): only queue.
+        if self._refs.pop(id(ref), None) is not None and not self.closed:
+            self._dead.append(ref.cell)
+
+    def live_refs(self) -> List[Ref]:
+        """Refs of wrappers that are still alive."""
+        return [r for r in list(self._refs.values()) if r() is not None]
+
+    def drain(self) -> None:
+        """Apply queued wrapper deaths: eager eviction or release of unreferenced storages."""
+        dead = self._dead
+        while dead:
+            s = dead.popleft().storage
+            while s.forward is not None:
+                s = s.forward
+            s.refs -= 1
+            if s.refs == 0:
+                self._unreferenced(s)
+
+    def _unreferenced(self, s: Storage) -> None:
+        if s.locks:
+            return
+        if s.uses == 0:
+            self._release(s)
+        elif s.state is RESIDENT and s.recomputable:
+            # Eager eviction (paper C.5): the program is done with it, but a recorded op may
+            # still need it, so keep the lineage and free the memory. Not when a tensor the
+            # program still holds was evicted and is recomputed from this one: evicting it now
+            # would turn that one-op recompute into a chain (seen in backward passes, where a
+            # gradient dies right after the next one was evicted). It stays a candidate, and
+            # the heuristic counts that evicted dependent in its neighbourhood.
+            for t in s.dependents:
+                if t.refs and t.state is EVICTED:
+                    return
+            self._evict(s)
+            self.counters.eager_evictions += 1
+
+    # ------------------------------------------------------------------ versions
+
+    def resolve(self, cell: Cell) -> Cell:
+        """The cell that now stands for ``cell``, following in-place versions (Note [Versions])."""
+        while cell.storage.forward is not None:
+            if cell.forward is None:
+                self._translate(cell)
+            cell = cell.forward  # type: ignore[assignment]
+        return cell
+
+    def _translate(self, cell: Cell) -> None:
+        """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views."""
+        s = cell.storage
+        s2 = s.forward
+        chain = []
+        c = cell
+        while c is not s.root and c.forward is None:
+            chain.append(c)
+            c = c.parent.inputs[0]
+        base = s2.root if c is s.root else c.forward
+        for c in reversed(chain):
+            rec = c.parent
+            rec2 = OpRecord(rec.name, [base], rec.payload, rec.cost, rec.replayable)
+            rec2.outputs = [None] * len(rec.outputs)
+            c2 = Cell(s2, rec2, c.index, None)
+            rec2.outputs[c.index] = c2
+            c.forward = c2
+            base = c2
+        if cell is s.root:
+            cell.forward = s2.root
+
+    def _carry_views(self, s: Storage) -> None:
+        """Before ``s`` becomes an old version, give its defined views counterparts on the new
+        version holding the same values (the data was changed in place, so they are current),
+        sparing a replay of each view when the program touches it next."""
+        s2 = s.forward
+        for w in s.views:
+            c = w()
+            if c is not None and c.value is not None and c.forward is None:
+                self._translate(c)
+                c2 = c.forward
+                c2.value = c.value
+                s2.views.append(weakref.ref(c2))
+
+    # ------------------------------------------------------------------ ops
+
+    def acquire(self, cells: Sequence[Cell]) -> None:
+        """Lock the storages of ``cells`` and make every cell defined (Invariant 2).
+
+        On error (``OutOfBudgetError``, or a failing replay) every lock taken here is undone.
+        """
+        for c in cells:
+            c.storage.locks += 1
+        try:
+            for c in cells:
+                if c.value is None:
+                    self._materialize(c)
+        except BaseException:
+            self.unlock(cells)
+            self._settle()
+            raise
+
+    def before_write(self, storages: Iterable[Storage]) -> None:
+        """Call before an op writes ``storages`` in place.
+
+        A recomputable storage simply becomes an evicted old version (Note [Versions]). One
+        with no lineage (cut, external, or made by a non-replayable op) could never be rebuilt
+        for the records that read it, so those records' outputs are made resident and
+        permanent first. Raises ``OutOfBudgetError`` (changing nothing) if they do not fit.
+        """
+        for s in storages:
+            if s.uses and not s.recomputable:
+                dependents = [t.root for t in s.dependents]
+                self.acquire(dependents)
+                try:
+                    for c in dependents:
+                        self.cut(c.storage)
+                finally:
+                    self.unlock(dependents)
+
+    def unlock(self, cells: Iterable[Cell]) -> None:
+        """Undo ``acquire`` (used directly when the op itself failed)."""
+        for c in cells:
+            s = c.storage
+            s.locks -= 1
+            if s.locks == 0 and s.refs == 0 and s.uses == 0 and s.state is not RELEASED:
+                self._release(s)
+
+    def complete(
+        self,
+        rec: OpRecord,
+        mutated: Sequence[Tuple[Storage, Any]],
+        fresh: Sequence[Tuple[int, Any, Optional[Cell]]],
+    ) -> List[Cell]:
+        """Register the outputs of an op that just ran on acquired inputs ``rec.inputs``.
+
+        ``mutated``: ``(storage, new root value)`` for each storage the op wrote in place; each
+        gets a new version, output first in ``rec.outputs`` (Note [Versions]). A storage with no
+        lineage cannot be rebuilt for a replay, so mutating one makes ``rec`` non-replayable.
+        ``fresh``: one ``(nbytes, value, base)`` per other tensor output; ``base`` is the input
+        cell it is a view of, or None for a new storage.
+
+        Evicts down to the budget with inputs and outputs locked (Invariant 1). If that is
+        impossible, the fresh outputs are dropped, the inputs unlocked, and
+        ``OutOfBudgetError`` raised: as far as the program can tell, the op did not happen
+        (an in-place op cannot be undone, but it adds no bytes, so it never lands here).
+        """
+        try:
+            now = self.clock = self.clock + 1
+            self.counters.ops += 1
+            outs: List[Optional[Cell]] = []
+            new: List[Storage] = []
+            for s, value in mutated:
+                if not s.recomputable:
+                    rec.replayable = False
+            for s, value in mutated:
+                s2 = self._new_storage(s.nbytes, rec, len(outs), value, now)
+                s2.refs, s.refs = s.refs, 0
+                s.forward = s2
+                if self._views_alias_data:
+                    self._carry_views(s)
+                # The old version's bytes now belong to the new one: no memory is freed.
+                self._evict(s)
+                outs.append(s2.root)
+                new.append(s2)
+            added = 0
+            for nbytes, value, base in fresh:
+                if base is None:
+                    s = self._new_storage(nbytes, rec, len(outs), value, now)
+                    outs.append(s.root)
+                    new.append(s)
+                    added += nbytes
+                else:
+                    outs.append(self._new_view(base.storage, rec, len(outs), value))
+            rec.outputs = outs
+            if self.memory > self.peak:
+                self.peak = self.memory
+            if added and self.budget is not None and self.memory > self.budget:
+                self._fit_outputs(rec, new, len(mutated))
+            self._wire(rec, new, now)
+            return outs  # type: ignore[return-value]
+        finally:
+            self.unlock(rec.inputs)
+
+    def _fit_outputs(self, rec: OpRecord, new: List[Storage], n_versions: int) -> None:
+        for s in new:
+            s.locks += 1
+        try:
+            self._evict_to(self.budget, rec.name)  # type: ignore[arg-type]
+        except BaseException:  # OutOfBudgetError, or anything a heuristic raised
+            for i, s in enumerate(new[n_versions:], start=n_versions):
+                del self.resident[s]
+                del self._all[s]
+                self.memory -= s.nbytes
+                s.state = RELEASED
+                s.root.value = None
+                rec.outputs[i] = None
+            del new[n_versions:]
+            self._wire(rec, new, self.clock)
+            raise
+        finally:
+            for s in new:
+                s.locks -= 1
+
+    def _wire(self, rec: OpRecord, new: List[Storage], now: int) -> None:
+        """Add the dependency edges of a completed record."""
+        rec.live = len(new)
+        for c in rec.inputs:
+            c.storage.last_access = now
+        if not rec.live or not rec.replayable:
+            # A view op's outputs live and die with the base's storage; a record that is never
+            # replayed needs none of its inputs.
+            return
+        ins = tuple(dict.fromkeys([c.storage for c in rec.inputs]))
+        rec.use_storages = ins
+        for s in ins:
+            s.uses += 1
+            deps = s.dependents
+            for t in new:
+                deps[t] = None
+
+    def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
+        self._sid += 1
+        s = Storage(self, self._sid, nbytes, rec.cost, now)
+        s.root = Cell(s, rec, index, value)
+        self.resident[s] = None
+        self._all[s] = None
+        self.memory += nbytes
+        return s
+
+    @staticmethod
+    def _new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
+        c = Cell(s, rec, index, value)
+        views = s.views
+        views.append(weakref.ref(c))
+        if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
+            views[:] = [w for w in views if w() is not None]
+        return c
+
+    # ------------------------------------------------------------------ rematerialization
+
+    def _materialize(self, target: Cell) -> None:
+        """Define ``target`` by replaying the records it depends on, deepest first.
+
+        Iterative (a chain of thousands of evicted ops must not hit the recursion limit).
+
+        Note [Order of rematerialization]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        The DTR paper locks all of a record's inputs, then recomputes the missing ones. Done
+        depth-first, that keeps every level's inputs locked while deeper levels recompute, so
+        a chain of depth d (a running sum of gradients, an RNN's hidden state) needs d levels
+        of memory at once, and budgets it could meet fail. This is register allocation, and
+        Sethi-Ullman's order fixes it: recompute the input with the deepest recomputation
+        first, holding nothing at this level; lock each input once it is defined; then the
+        next missing one. Inputs that were already resident are not locked until the first
+        missing input is done (they are touched, so the heuristic prefers other victims); if
+        one is evicted meanwhile it is simply missing again. Every return to a record locks at
+        least one more input, so the loop always makes progress.
+        """
+        stack = [target]
+        held: dict = {}  # id(record) -> per-input flags: locked by this call for it
+        try:
+            while stack:
+                c = stack[-1]
+                if c.value is not None:
+                    stack.pop()
+                    continue
+                rec = c.parent
+                if rec is None or not rec.replayable or c.storage.state is RELEASED:
+                    raise AssertionError(f"dtr internal error: {c} of {c.storage} cannot be recomputed")
+                inputs = rec.inputs
+                entry = held.get(id(rec))
+                if entry is None:
+                    flags = [False] * len(inputs)
+                    held[id(rec)] = (rec, flags)
+                    missing = [i for i in inputs if i.value is None]
+                    if missing:
+                        now = self.clock
+                        for i in inputs:
+                            i.storage.last_access = now
+                        stack.append(_deepest(missing))
+                        continue
+                else:
+                    flags = entry[1]
+                missing = None
+                for j, i in enumerate(inputs):
+                    if i.value is None:
+                        if missing is None:
+                            missing = [i]
+                        else:
+                            missing.append(i)
+                    elif not flags[j]:
+                        i.storage.locks += 1
+                        flags[j] = True
+                if missing:
+                    stack.append(_deepest(missing))
+                    continue
+                out = c.storage
+                out.locks += 1  # its consumer has not locked it yet: keep the fit from evicting it
+                try:
+                    self._replay(rec)
+                finally:
+                    out.locks -= 1
+                del held[id(rec)]
+                for i in inputs:
+                    i.storage.locks -= 1
+                if c.value is None:  # pragma: no cover - would be a runtime bug
+                    raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
+                stack.pop()
+        except BaseException:
+            for rec, flags in held.values():
+                for i, f in zip(rec.inputs, flags):
+                    if f:
+                        i.storage.locks -= 1
+            raise
+
+    def _replay(self, rec: OpRecord) -> None:
+        values, cost = self.executor.replay(rec)
+        now = self.clock
+        added = False
+        for cell, v in zip(rec.outputs, values):
+            if cell is None or cell.value is not None:
+                continue
+            s = cell.storage
+            state = s.state
+            if state is RELEASED:
+                continue
+            if cell is s.root:
+                if state is EVICTED:
+                    s.state = RESIDENT
+                    self.resident[s] = None
+                    self.memory += s.nbytes
+                    self._on_materialize(s)
+                    added = True
+                cell.value = v
+            elif state is RESIDENT or state is EXTERNAL:
+                cell.value = v
+                s.views.append(weakref.ref(cell))
+            s.last_access = now
+        for s in rec.use_storages:
+            s.last_access = now
+        if added:  # re-deriving a view of a resident storage is not a rematerialization
+            self.counters.rematerializations += 1
+            self.counters.remat_cost += cost
+        if self.memory > self.peak:
+            self.peak = self.memory
+        if added and self.budget is not None and self.memory > self.budget:
+            self._evict_to(self.budget, f"{rec.name} (recomputing an evicted tensor)")
+
+    # ------------------------------------------------------------------ eviction
+
+    def _evict_to(self, target: int, opname: str) -> None:
+        """Evict lowest-scoring candidates until ``memory <= target``.
+
+        Scores are computed once per call and kept in a heap; a popped candidate is re-scored
+        and re-inserted if its score grew past the next one (sound because of the heuristic
+        contract: evictions at a fixed clock only raise other scores). O(n log n) for n
+        resident storages, plus O(k log n) re-checks for k evictions.
+
+        Storages under 1% of the candidates' mean size are a last resort, tried only when
+        nothing larger can go: evicting them frees next to nothing, and recomputing one (a
+        scalar loss, say) can take a long chain (the DTR prototype ignored them outright).
+        """
+        if self.memory <= target:
+            return
+        now = self.clock
+        score = self._score
+        candidates = []
+        total = 0
+        for s in self.resident:
+            if s.locks == 0:
+                rec = s.root.parent
+                if rec is not None and rec.replayable:
+                    candidates.append(s)
+                    total += s.nbytes
+        small_below = total / (100 * len(candidates)) if candidates else 0
+        heap = [(score(s, now), s.sid, s) for s in candidates if s.nbytes >= small_below]
+        small = [(score(s, now), s.sid, s) for s in candidates if s.nbytes < small_below]
+        heapify(heap)
+        while self.memory > target:
+            while True:
+                if not heap:
+                    if not small:
+                        raise self._out_of_budget(target, opname)
+                    heap, small = small, []
+                    heapify(heap)
+                old, sid, s = heappop(heap)
+                if s.state is not RESIDENT or s.locks:
+                    continue
+                cur = score(s, now)
+                if cur > old and heap and cur > heap[0][0]:
+                    heappush(heap, (cur, sid, s))
+                    continue
+                break
+            self._evict(s)
+            self.counters.evictions += 1
+
+    def _settle(self) -> None:
+        """After a failure, evict what the failed op had locked until back under the budget
+        (Invariant 1), so that the engine is left as if the op had not been attempted."""
+        if self.budget is not None and self.memory > self.budget:
+            try:
+                self._evict_to(self.budget, "cleanup")
+            except Exception:  # best effort: the original error is the one to report
+                pass
+
+    def _evict(self, s: Storage) -> None:
+        del self.resident[s]
+        self.memory -= s.nbytes
+        s.state = EVICTED
+        self._drop_values(s)
+        self._on_evict(s)
+
+    @staticmethod
+    def _drop_values(s: Storage) -> None:
+        s.root.value = None
+        for w in s.views:
+            c = w()
+            if c is not None:
+                c.value = None
+        s.views = []
+
+    def _out_of_budget(self, target: int, opname: str) -> OutOfBudgetError:
+        locked = unrecomputable = 0
+        for s in self.resident:
+            if s.locks:
+                locked += s.nbytes
+            elif not s.recomputable:
+                unrecomputable += s.nbytes
+        needed = locked + unrecomputable
+        detail = (
+            f"{locked} bytes are locked (inputs and outputs of the operations in flight) and "
+            f"{unrecomputable} bytes cannot be recomputed (no replayable lineage)."
+        )
+        return OutOfBudgetError(needed, target, opname, detail)
+
+    # ------------------------------------------------------------------ release
+
+    def _release(self, s: Storage) -> None:
+        """Drop ``s`` from the graph, then whatever only it kept alive (iteratively)."""
+        work = [s]
+        while work:
+            s = work.pop()
+            if s.state is RELEASED or s.refs or s.uses or s.locks:
+                continue
+            if s.state is RESIDENT:
+                del self.resident[s]
+                self.memory -= s.nbytes
+            s.state = RELEASED
+            del self._all[s]
+            self._drop_values(s)
+            self._on_release(s)
+            rec = s.root.parent
+            s.root.parent = None
+            if rec is not None:
+                for i in rec.use_storages:
+                    i.dependents.pop(s, None)
+                self._lose_output(rec, work)
+
+    def _lose_output(self, rec: OpRecord, work: list) -> None:
+        """One of ``rec``'s output storages no longer names it as parent."""
+        rec.live -= 1
+        if rec.live:
+            return
+        for i in rec.use_storages:
+            i.uses -= 1
+            if i.uses == 0 and i.refs == 0 and not i.locks:
+                work.append(i)
+        rec.use_storages = ()
+        self.executor.forget(rec)
+
+    def cut(self, s: Storage) -> None:
+        """Make ``s`` permanent: drop its parent so its ancestors can be released."""
+        rec = s.root.parent
+        if rec is None:
+            return
+        s.root.parent = None
+        for i in rec.use_storages:
+            i.dependents.pop(s, None)
+        work: list = []
+        self._lose_output(rec, work)
+        for i in work:
+            self._release(i)
+
+    def flush(self) -> None:
+        """Make every storage the program still references resident, and cut its lineage.
+
+        Needed when recorded ops can no longer be replayed faithfully (parameters are about to
+        change) and at block exit. Raises ``OutOfBudgetError`` (with nothing cut) if they do
+        not fit in the budget together.
+        """
+        live = [s.root for s in self._all if s.refs > 0]
+        self.acquire(live)
+        try:
+            for c in live:
+                self.cut(c.storage)
+        finally:
+            self.unlock(live)
+        self.counters.flushes += 1
+
+    def extract(self, cell: Cell) -> Any:
+        """Hand ``cell``'s storage to the program: make it resident, stop charging and
+        evicting it (state EXTERNAL), drop its lineage. Returns the cell's value."""
+        self.acquire([cell])
+        try:
+            s = cell.storage
+            if s.state is RESIDENT:
+                del self.resident[s]
+                self.memory -= s.nbytes
+                s.state = EXTERNAL
+                self.cut(s)
+            return cell.value
+        finally:
+            self.unlock([cell])
+
+    def set_budget(self, budget: Optional[int]) -> None:
+        """Change the budget, evicting at once down to it; on failure the old one stays."""
+        old = self.budget
+        self.budget = budget
+        if budget is not None and self.memory > budget:
+            try:
+                self._evict_to(budget, "set budget")
+            except OutOfBudgetError:
+                self.budget = old
+                raise
+
+    def close(self) -> None:
+        """End of block: define every live wrapper's cell, cut all lineage, stop tracking.
+
+        Recomputation stays under the budget when the live tensors fit in it; otherwise the
+        budget is lifted (the block is over, and they must all be resident from now on)."""
+        self.drain()
+        saved = self.budget
+        try:
+            cells = []
+            for ref in self.live_refs():
+                ref.cell = self.resolve(ref.cell)
+                cells.append(ref.cell)
+            try:
+                self.acquire(cells)
+            except OutOfBudgetError:
+                self.budget = None
+                self.acquire(cells)
+            self.budget = None
+            self.unlock(cells)
+            self.flush()
+        finally:
+            self.budget = saved
+            self.closed = True
+        self._refs.clear()
+        self.resident.clear()
+        self._all.clear()
+        self.memory = 0
+
+    # ------------------------------------------------------------------ introspection
+
+    def storages(self) -> Iterator[Storage]:
+        """Every storage not yet released."""
+        return iter(list(self._all))
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of the module docstring. O(graph); for tests."""
+        memory = 0
+        for s in self.resident:
+            assert s.state is RESIDENT, f"{s} is in the resident set"
+            memory += s.nbytes
+        assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
+        for s in self._all:
+            assert s.state is not RELEASED, f"{s} is released but still registered"
+            assert s.locks == 0, f"{s} is still locked between ops"
+            assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
+            assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
+            if s.state is EVICTED:
+                assert s.root.value is None, f"{s} is evicted but its root holds a value"
+                rec = s.root.parent
+                assert rec is not None and rec.replayable, f"{s} is evicted but cannot be recomputed"
+                for i in rec.use_storages:
+                    assert i.state is not RELEASED, f"{s} needs {i}, which was released"
+            else:
+                assert s.root.value is not None, f"{s} is {s.state.name} but its root is undefined"
+            if s.refs == 0 and s.uses == 0:
+                raise AssertionError(f"{s} is unreferenced and unused but was not released")
+            if s.state is not RESIDENT:
+                for w in s.views:
+                    c = w()
+                    assert c is None or c.value is None, f"a view of {s} is defined"
+            rec = s.root.parent
+            if rec is not None:
+                assert rec.live > 0, f"{rec} is the parent of {s} but counts no live output"
+                for i in rec.use_storages:
+                    assert s in i.dependents, f"{s} is missing from the dependents of {i}"
+        counted: dict = {}
+        for s in self._all:
+            rec = s.root.parent
+            if rec is not None and id(rec) not in counted:
+                counted[id(rec)] = rec
+        uses: dict = {}
+        for rec in counted.values():
+            for i in rec.use_storages:
+                uses[i] = uses.get(i, 0) + 1
+        for s in self._all:
+            assert s.uses == uses.get(s, 0), f"{s} counts {s.uses} uses, the graph has {uses.get(s, 0)}"
+        if self.budget is not None:
+            assert self.memory <= self.budget, (
+                f"resident {self.memory} bytes exceed the budget {self.budget} between ops"
+            )
+        check = getattr(self.heuristic, "check_invariants", None)
+        if check is not None:
+            check(self)

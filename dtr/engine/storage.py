@@ -1,0 +1,186 @@
+"""Storages, cells and op records: the graph the runtime evicts from and replays.
+
+Note [Three levels]
+~~~~~~~~~~~~~~~~~~~
+- A ``Storage`` is one allocation: the unit of accounting, eviction, locking and reference
+  counting. It has one *root* cell, computed by its parent op.
+- A ``Cell`` is one tensor over a storage: the root, or a view derived from another cell of
+  the same storage by a view op. A cell is *defined* when its ``value`` is set. Evicting a
+  storage undefines all its cells; a view cell is rematerialized by replaying its view op on
+  its base (Invariant 5).
+- An ``OpRecord`` is one executed operation: its input cells, its output cells and an opaque
+  payload that the driver's executor knows how to replay.
+
+The program holds *wrappers* (tensor objects); each points to one cell. Reference counts
+live on storages, never on wrappers or cells: autograd saves outputs through ``detach()``,
+which makes new wrappers over the same data.
+
+Note [Versions]
+~~~~~~~~~~~~~~~
+An in-place op on a storage S does not change S: it makes a new storage S' (a new version)
+whose parent op is "clone S, then apply the op", and S becomes evicted (its old contents can
+still be recomputed from its own parent). ``S.forward`` points to S'; wrappers over cells of
+S find their cell of S' lazily (``Runtime.resolve``). Every recorded op therefore stays a
+pure function of its inputs (Invariant 4).
+
+Nothing here imports torch: values are opaque objects supplied by a driver.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, List, Optional
+
+__all__ = ["State", "Storage", "Cell", "OpRecord"]
+
+
+class State(enum.IntEnum):
+    """Where a storage's data is."""
+
+    RESIDENT = 0
+    """In memory and counted against the budget."""
+    EVICTED = 1
+    """Freed; recomputable by replaying its parent op (Invariant 3)."""
+    EXTERNAL = 2
+    """Handed to the program as a plain tensor (e.g. a parameter's ``.grad``): still held,
+    no longer counted, never evicted."""
+    RELEASED = 3
+    """Gone from the graph: the program dropped it and nothing can need it again."""
+
+
+class Storage:
+    """One allocation tracked by the runtime.
+
+    ``refs`` counts live wrappers over any cell of the storage; ``uses`` counts live op records
+    that read it (other than view ops on itself); ``locks`` counts in-flight needs (an op
+    running, a rematerialization in progress) and is a counter so nested needs compose.
+    """
+
+    __slots__ = (
+        "sid",
+        "nbytes",
+        "state",
+        "locks",
+        "refs",
+        "uses",
+        "last_access",
+        "cost",
+        "root",
+        "views",
+        "dependents",
+        "forward",
+        "runtime",
+        "hdata",
+        "__weakref__",
+    )
+
+    def __init__(self, runtime: Any, sid: int, nbytes: int, cost: float, now: int) -> None:
+        self.runtime = runtime
+        self.sid = sid
+        self.nbytes = nbytes
+        self.state = State.RESIDENT
+        self.locks = 0
+        self.refs = 0
+        self.uses = 0
+        self.last_access = now
+        self.cost = cost
+        self.root: Cell = None  # type: ignore[assignment]  # set right after construction
+        # Weak references to view cells that may hold values; cleared on eviction. Weak,
+        # because a view cell nobody refers to any more must not be kept alive by its storage.
+        self.views: List[weakref.ref] = []
+        # Storages whose parent op reads this one (insertion-ordered, for determinism).
+        self.dependents: dict = {}
+        self.forward: Optional[Storage] = None
+        self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
+
+    @property
+    def parent(self) -> Optional["OpRecord"]:
+        """The op that computes this storage's root, or None when it cannot be recomputed."""
+        return self.root.parent
+
+    @property
+    def recomputable(self) -> bool:
+        rec = self.root.parent
+        return rec is not None and rec.replayable
+
+    def deps(self) -> tuple:
+        """Storages this one is computed from (excluding itself)."""
+        rec = self.root.parent
+        return rec.use_storages if rec is not None else ()
+
+    def __repr__(self) -> str:
+        name = self.root.parent.name if self.root is not None and self.root.parent else "-"
+        return (
+            f"Storage(#{self.sid} {self.state.name} {self.nbytes}B refs={self.refs} "
+            f"uses={self.uses} locks={self.locks} op={name})"
+        )
+
+
+class Cell:
+    """One tensor over a storage: its root, or a view of another cell of the same storage."""
+
+    __slots__ = ("storage", "parent", "index", "value", "forward", "__weakref__")
+
+    def __init__(
+        self, storage: Storage, parent: Optional["OpRecord"], index: int, value: Any
+    ) -> None:
+        self.storage = storage
+        self.parent = parent
+        self.index = index
+        self.value = value
+        self.forward: Optional[Cell] = None
+
+    @property
+    def base(self) -> Optional["Cell"]:
+        """The cell this view was taken from (None for a root)."""
+        if self is self.storage.root:
+            return None
+        return self.parent.inputs[0]
+
+    def __repr__(self) -> str:
+        kind = "root" if self is self.storage.root else "view"
+        state = "defined" if self.value is not None else "undefined"
+        return f"Cell({kind} of #{self.storage.sid}, {state})"
+
+
+class OpRecord:
+    """One executed op, kept so that its outputs can be recomputed.
+
+    ``inputs`` are the cells the replay reads (for a view op, ``inputs[0]`` is the base).
+    ``use_storages`` are the distinct input storages other than the outputs' own, i.e. the
+    edges of the dependency graph. ``live`` counts output storages that still name this record
+    as their parent; when it drops to zero the record is released and its inputs lose a use.
+    ``payload`` belongs to the executor that replays the record.
+    """
+
+    __slots__ = (
+        "name",
+        "inputs",
+        "use_storages",
+        "outputs",
+        "cost",
+        "payload",
+        "replayable",
+        "live",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        inputs: List[Cell],
+        payload: Any,
+        cost: float,
+        replayable: bool = True,
+    ) -> None:
+        self.name = name
+        self.inputs = inputs
+        self.use_storages: tuple = ()
+        self.outputs: List[Optional[Cell]] = []
+        self.cost = cost
+        self.payload = payload
+        self.replayable = replayable
+        self.live = 0
+
+    def __repr__(self) -> str:
+        return f"OpRecord({self.name}, {len(self.inputs)} in, {len(self.outputs)} out)"

@@ -1,0 +1,75 @@
+"""Counters the runtime keeps, and the ``Stats`` snapshot users read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+__all__ = ["Counters", "Stats"]
+
+
+class Counters:
+    """Monotone event counts of one runtime (one ``dtr.budget`` block)."""
+
+    __slots__ = (
+        "ops",
+        "evictions",
+        "eager_evictions",
+        "rematerializations",
+        "remat_cost",
+        "flushes",
+    )
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.evictions = 0
+        self.eager_evictions = 0
+        self.rematerializations = 0
+        self.remat_cost = 0.0
+        self.flushes = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What an engine has done, summed over its blocks (``Engine.stats()``).
+
+    Attributes:
+        ops: operations intercepted.
+        evictions: storages evicted to stay under the budget.
+        eager_evictions: storages evicted because the program dropped its last reference while
+            a recorded op might still need them (DTR's eager eviction; they free memory eager
+            PyTorch would free too).
+        rematerializations: operations replayed to recompute evicted storages.
+        remat_seconds: time spent replaying, as measured (CPU) or estimated (CUDA) by the
+            cost model.
+        resident_bytes: bytes of managed storages in memory now.
+        peak_resident_bytes: highest ``resident_bytes`` seen, including the moment inside an
+            op when its outputs exist and evictions have not yet made room.
+        constant_bytes: bytes of the distinct pre-existing tensors (parameters, buffers,
+            inputs) the block's ops read; never evicted, not charged.
+        budget: the budget in bytes, or None for "track, never evict".
+        flushes: times the engine made live tensors resident and dropped their lineage
+            (block exit, optimizer steps, in-place changes to tensors recorded ops read).
+    """
+
+    ops: int
+    evictions: int
+    eager_evictions: int
+    rematerializations: int
+    remat_seconds: float
+    resident_bytes: int
+    peak_resident_bytes: int
+    constant_bytes: int
+    budget: Optional[int]
+    flushes: int
+
+    def __str__(self) -> str:
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith("_bytes") or (f.name == "budget" and v is not None):
+                v = f"{v / 2**20:.2f} MiB"
+            elif isinstance(v, float):
+                v = f"{v:.4f}"
+            parts.append(f"{f.name}={v}")
+        return "Stats(" + ", ".join(parts) + ")"

@@ -1,0 +1,52 @@
+"""Union-find over evicted storages with a running cost per set (the DTR paper's e~*).
+
+Evicted neighbours are merged into one set whose ``cost`` is the sum of its members' compute
+costs. Union-find cannot split, so the paper approximates a split when a member is
+rematerialized: subtract its cost from its set and give it a fresh set next time it is
+evicted. The links it leaves behind are the "phantom dependencies" of section 4.1.
+
+Everything is iterative (remat chains can be thousands long) and unions are by size, so
+``find`` is amortized near-constant.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["UFNode", "find", "union"]
+
+
+class UFNode:
+    """A member of a set; the set's data (``cost``, ``size``) is valid on its root only."""
+
+    __slots__ = ("parent", "cost", "size")
+
+    def __init__(self, cost: float) -> None:
+        self.parent: Optional[UFNode] = None
+        self.cost = cost
+        self.size = 1
+
+
+def find(node: UFNode) -> UFNode:
+    """The root of ``node``'s set, compressing the path on the way. O(α(n)) amortized."""
+    root = node
+    while root.parent is not None:
+        root = root.parent
+    while node is not root:
+        nxt = node.parent
+        node.parent = root
+        node = nxt  # type: ignore[assignment]
+    return root
+
+
+def union(a: UFNode, b: UFNode) -> UFNode:
+    """Merge the sets of ``a`` and ``b`` (summing their costs); returns the new root."""
+    ra, rb = find(a), find(b)
+    if ra is rb:
+        return ra
+    if ra.size < rb.size:
+        ra, rb = rb, ra
+    rb.parent = ra
+    ra.size += rb.size
+    ra.cost += rb.cost
+    return ra

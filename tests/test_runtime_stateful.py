@@ -1,0 +1,215 @@
+"""Stateful property test of the torch-free runtime, driven directly with a fake executor.
+
+Values are nested tuples that name how they were computed, so a rematerialized value can be
+compared with the one the program saw first: a wrong replay, a lost mutation or a stale view
+shows up as a different tuple. ``check_invariants()`` runs after every step.
+"""
+
+import gc
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from dtr.engine import OpRecord, Runtime, make_heuristic
+from dtr.errors import OutOfBudgetError
+
+
+class FakeExecutor:
+    """Replays records whose payload is a function of the input values."""
+
+    def __init__(self):
+        self.replays = 0
+        self.forgotten = 0
+
+    def replay(self, rec):
+        self.replays += 1
+        return rec.payload([c.value for c in rec.inputs]), rec.cost
+
+    def forget(self, rec):
+        self.forgotten += 1
+
+
+class Handle:
+    """Stands for a tensor the program holds (a wrapper)."""
+
+    def __init__(self, expected, path=()):
+        self.expected = expected
+        self.path = path  # view ops from the storage's root to this tensor
+        self.ref = None
+
+
+class RuntimeMachine(RuleBasedStateMachine):
+    handles = Bundle("handles")
+
+    def __init__(self):
+        super().__init__()
+        self.ex = FakeExecutor()
+        self.rt = Runtime(None, make_heuristic("dtr_eq"), self.ex)
+        self.n = 0
+        self.live = []  # handles the program holds
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def cell(self, h):
+        h.ref.cell = self.rt.resolve(h.ref.cell)
+        return h.ref.cell
+
+    def make(self, cell, expected, path=()):
+        h = Handle(expected, path)
+        h.ref = self.rt.track(h, cell)
+        self.live.append(h)
+        return h
+
+    def run(self, inputs, payload, nbytes_list, name):
+        """Acquire, 'run', complete: returns new handles, or None on OutOfBudgetError."""
+        rt = self.rt
+        cells = [self.cell(h) for h in inputs]
+        try:
+            rt.acquire(cells)
+        except OutOfBudgetError:
+            return None
+        values = [c.value for c in cells]
+        assert values == [h.expected for h in inputs], "acquire returned a wrong value"
+        outs = payload(values)
+        rec = OpRecord(name, cells, payload, cost=1.0 + len(nbytes_list))
+        try:
+            out_cells = rt.complete(rec, [], [(nb, v, None) for nb, v in zip(nbytes_list, outs)])
+        except OutOfBudgetError:
+            return None
+        return [self.make(c, v) for c, v in zip(out_cells, outs)]
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(target=handles, nbytes=st.integers(1, 64))
+    def constant_op(self, nbytes):
+        """An op with no managed inputs (a factory op, or an op on parameters)."""
+        self.n += 1
+        k = self.n
+        out = self.run([], lambda vals, k=k: [("const", k)], [nbytes], f"const{k}")
+        return out[0] if out else None
+
+    @rule(target=handles, a=handles, b=handles, nbytes=st.integers(1, 64), two=st.booleans())
+    def compute(self, a, b, nbytes, two):
+        if a is None or b is None:
+            return None
+        self.n += 1
+        k = self.n
+        sizes = [nbytes, nbytes // 2 + 1] if two else [nbytes]
+
+        def payload(vals, k=k, m=len(sizes)):
+            return [("op", k, i, tuple(vals)) for i in range(m)]
+
+        out = self.run([a, b], payload, sizes, f"op{k}")
+        return out[0] if out else None
+
+    @rule(target=handles, a=handles)
+    def view(self, a):
+        if a is None:
+            return None
+        rt = self.rt
+        base = self.cell(a)
+        try:
+            rt.acquire([base])
+        except OutOfBudgetError:
+            return None
+        self.n += 1
+        k = self.n
+
+        def payload(vals, k=k):
+            return [("view", k, vals[0])]
+
+        value = payload([base.value])[0]
+        rec = OpRecord(f"view{k}", [base], payload, cost=0.1)
+        (c,) = rt.complete(rec, [], [(0, value, base)])
+        return self.make(c, value, a.path + (k,))
+
+    @rule(a=handles, b=handles)
+    def mutate(self, a, b):
+        """a += b in place (a may be a view: the whole storage gets a new version)."""
+        if a is None or b is None:
+            return
+        rt = self.rt
+        ca, cb = self.cell(a), self.cell(b)
+        if ca.storage is cb.storage:
+            return
+        root = ca.storage.root
+        if ca is not root:
+            return  # the fake executor only mutates roots; views of roots are covered by view()
+        try:
+            rt.before_write([root.storage])
+            rt.acquire([root, cb])
+        except OutOfBudgetError:
+            return
+        self.n += 1
+        k = self.n
+
+        def payload(vals, k=k):
+            return [("mut", k, vals[0], vals[1])]
+
+        new_value = payload([root.value, cb.value])[0]
+        rec = OpRecord(f"mut{k}", [root, cb], payload, cost=1.0)
+        rt.complete(rec, [(root.storage, new_value)], [])
+        # Every handle over this storage sees the new version; a view's value follows its root.
+        for h in self.live:
+            if self.cell(h).storage is rt.resolve(root).storage:
+                value = new_value
+                for v in h.path:
+                    value = ("view", v, value)
+                h.expected = value
+
+    @rule(a=handles)
+    def access(self, a):
+        if a is None:
+            return
+        c = self.cell(a)
+        try:
+            self.rt.acquire([c])
+        except OutOfBudgetError:
+            return
+        assert c.value == a.expected, f"rematerialized {c.value!r}, expected {a.expected!r}"
+        self.rt.unlock([c])
+
+    @rule(a=consumes(handles))
+    def release(self, a):
+        if a is None or a not in self.live:
+            return
+        self.live.remove(a)
+        del a
+        gc.collect()
+        self.rt.drain()
+
+    @rule(budget=st.one_of(st.none(), st.integers(0, 400)))
+    def set_budget(self, budget):
+        try:
+            self.rt.set_budget(budget)
+        except OutOfBudgetError:
+            pass
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def flush(self):
+        try:
+            self.rt.flush()
+        except OutOfBudgetError:
+            pass
+
+    @invariant()
+    def invariants(self):
+        self.rt.drain()
+        self.rt.check_invariants()
+
+    def teardown(self):
+        # At the end every handle the program holds must still read its expected value.
+        rt = self.rt
+        rt.set_budget(None)
+        for h in self.live:
+            c = self.cell(h)
+            rt.acquire([c])
+            assert c.value == h.expected
+            rt.unlock([c])
+        rt.close()
+
+
+RuntimeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestRuntime = RuntimeMachine.TestCase
