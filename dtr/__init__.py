@@ -1,5 +1,54 @@
-"""dtr: Dynamic Tensor Rematerialization for eager PyTorch."""
+"""dtr: Dynamic Tensor Rematerialization for eager PyTorch.
 
+Train models that do not fit in memory by evicting activations under a budget and
+recomputing them when needed, at run time, with no tracing and no changes to the model::
+
+    import dtr
+    with dtr.budget("6 GiB") as engine:
+        loss = model(batch).loss
+        loss.backward()          # parameters' .grad are plain tensors
+    engine.budget = "4 GiB"      # change it at run time
+    print(engine.stats())
+
+The torch-facing names are imported on first use, so that the torch-free parts
+(``dtr.engine``, ``dtr.planner``) can be imported, and tested, without torch.
+"""
+
+from importlib import import_module
+
+from dtr.engine import Heuristic, Stats, heuristic_names, register_heuristic
 from dtr.errors import DTRError, InfeasibleBudgetError, OutOfBudgetError
 
-__all__ = ["DTRError", "InfeasibleBudgetError", "OutOfBudgetError"]
+__all__ = [
+    "DTRError",
+    "DTRTensor",
+    "Engine",
+    "Heuristic",
+    "InfeasibleBudgetError",
+    "OutOfBudgetError",
+    "Stats",
+    "budget",
+    "heuristic_names",
+    "materialize",
+    "register_heuristic",
+]
+
+_LAZY = {
+    "budget": "dtr.scope",
+    "Engine": "dtr.scope",
+    "materialize": "dtr.eager.materialize",
+    "DTRTensor": "dtr.eager.tensor",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dtr' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

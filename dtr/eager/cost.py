@@ -1,0 +1,64 @@
+"""Compute cost of an op, in seconds: measured on CPU, estimated on accelerators.
+
+Note [Cost without synchronization]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On CPU a kernel runs synchronously, so a ``perf_counter`` pair around it is its cost (~0.1 µs
+of overhead). On CUDA a launch returns before the kernel runs; timing it would measure launch
+latency, and synchronizing per op (what the DTR prototype did, with CUDA_LAUNCH_BLOCKING)
+serializes the device. So on accelerators, and whenever ``cost="estimate"`` is asked for, the
+cost is a roofline estimate, ``max(flops / peak_flops, bytes_moved / bandwidth)`` plus a fixed
+launch overhead: deterministic (handy in tests), free of synchronization, and right about
+what matters to the heuristic (matmuls and convolutions are expensive, elementwise ops cost
+their memory traffic). FLOPs come from ``torch.utils.flop_counter``'s formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["estimate_seconds", "COST_MODES"]
+
+COST_MODES = ("auto", "estimate")
+
+# (peak FLOP/s, bytes/s, launch overhead s): rough figures; only ratios matter to eviction.
+_ROOFLINE = {
+    "cpu": (1e11, 1e10, 2e-6),
+    "cuda": (1e14, 2e12, 5e-6),
+}
+
+try:  # the formulas moved around between torch releases; without them we count bytes only
+    from torch.utils.flop_counter import flop_registry as _FLOPS
+except ImportError:  # pragma: no cover
+    _FLOPS = {}
+
+
+def _nbytes(values: Sequence) -> int:
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, (list, tuple)):
+            total += _nbytes(v)
+    return total
+
+
+def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
+    """Roofline estimate of ``func(*args, **kwargs)`` that produced ``outs`` (unwrapped)."""
+    device = "cpu"
+    for v in outs:
+        if isinstance(v, torch.Tensor):
+            device = v.device.type
+            break
+    flops_per_s, bytes_per_s, launch = _ROOFLINE.get(device, _ROOFLINE["cuda"])
+    moved = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)
+    seconds = moved / bytes_per_s
+    formula = _FLOPS.get(func.overloadpacket)
+    if formula is not None:
+        out = outs[0] if len(outs) == 1 else tuple(outs)
+        try:
+            seconds = max(seconds, formula(*args, **kwargs, out_val=out) / flops_per_s)
+        except Exception:  # a formula that does not accept this overload's arguments
+            pass
+    return seconds + launch

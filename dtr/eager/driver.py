@@ -1,0 +1,511 @@
+"""The torch driver of a ``Runtime``: runs aten ops on managed tensors.
+
+One op (``Driver.dispatch``, the hot path):
+
+1. look up the op's cached facts (ops.py);
+2. scan the arguments: wrappers of this engine become input cells (holes in a template),
+   plain tensors are constants (never wrapped, never evicted), wrappers of other engines are
+   read as plain values;
+3. before an in-place op, protect what its writes would destroy: a written constant that a
+   recorded op reads forces a flush; a written storage without lineage has its dependents
+   made permanent (``Runtime.before_write``);
+4. ``runtime.acquire`` the inputs (rematerializing as needed), run the kernel and time it;
+5. ``runtime.complete`` the record (new storages, views, new versions), which evicts down to
+   the budget;
+6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects.
+
+Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
+is a constant.
+"""
+
+from __future__ import annotations
+
+import threading
+from time import perf_counter
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from dtr.eager import rng
+from dtr.eager.cost import estimate_seconds
+from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
+from dtr.eager.replay import Call, fill, flat, replay
+from dtr.eager.tensor import DTRTensor, make_wrapper
+from dtr.engine import OpRecord, Runtime, State
+from dtr.errors import DTRError
+
+__all__ = ["Driver"]
+
+_Tensor = torch.Tensor
+_EXTERNAL = State.EXTERNAL
+_VIEW = Kind.VIEW
+_WRITE = Kind.WRITE
+_DETACH = Kind.DETACH
+_no_python_dispatch = torch._C._DisableTorchDispatch
+
+
+def _key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (shared by all its views)."""
+    return t.untyped_storage()._cdata
+
+
+class Driver:
+    """Executes aten ops for one runtime and replays its records (it is the runtime's
+    ``Executor``)."""
+
+    views_alias_data = True  # torch views share their storage's memory
+
+    def __init__(self, budget: Optional[int], heuristic, estimate: bool) -> None:
+        self.rt = Runtime(budget, heuristic, self)
+        self.estimate = estimate
+        self.const_uses: Dict[int, int] = {}  # storage key -> live records reading it
+        self.const_bytes: Dict[int, int] = {}  # storage key -> bytes, for Stats.constant_bytes
+        self.external: Dict[int, Any] = {}  # storage key -> EXTERNAL storage handed out
+        self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
+        self.suspended_thread: Optional[int] = None  # set during optimizer.step()
+        self.ops = 0  # ops intercepted
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, func, args, kwargs):
+        facts = FACTS.get(func)
+        if facts is None:
+            facts = facts_for(func)
+        rt = self.rt
+        with rt.lock:
+            self.ops += 1
+            if rt._dead:
+                rt.drain()
+            kind = facts.kind
+            if kind is _VIEW or kind is _DETACH or kind is Kind.INPLACE_VIEW:
+                base = args[facts.view_of]
+                if type(base) is not DTRTensor or base._dtr.cell.storage.runtime is not rt:
+                    return self.passthrough(func, args, kwargs)
+                if kind is _DETACH:
+                    return self._alias(base)
+                if kind is Kind.INPLACE_VIEW:
+                    return self._inplace_view(facts, func, base, args, kwargs)
+            elif kind is Kind.UNSUPPORTED:
+                self._unsupported(facts, args, kwargs)
+                return self.passthrough(func, args, kwargs)
+            return self._run(facts, func, args, kwargs)
+
+    def passthrough(self, func, args, kwargs):
+        """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
+        vals = [self._plain(a) for a in args]
+        kw = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else {}
+        out = func(*vals, **kw)
+        facts = FACTS.get(func) or facts_for(func)
+        if facts.kind is _WRITE or facts.kind is Kind.INPLACE_VIEW:
+            return _original_writes(facts, args, kwargs, out)
+        return out
+
+    def _plain(self, a):
+        if isinstance(a, _Tensor):
+            if type(a) is DTRTensor:
+                return self._value_of(a)
+            if a.requires_grad and a.is_leaf and id(a) not in self.hooks:
+                self._hook(a)
+            return a
+        if type(a) in (list, tuple):
+            return type(a)(self._plain(b) for b in a)
+        return a
+
+    def _value_of(self, w: DTRTensor) -> torch.Tensor:
+        """The current data of a wrapper, as a plain tensor the caller will only read."""
+        ref = w._dtr
+        rt = ref.cell.storage.runtime
+        if rt is self.rt:
+            cell = ref.cell = rt.resolve(ref.cell)
+            rt.acquire([cell])
+            rt.unlock([cell])
+            return cell.value
+        from dtr.eager.materialize import materialize
+
+        return materialize(w)
+
+    def _alias(self, base: DTRTensor) -> DTRTensor:
+        ref = base._dtr
+        rt = self.rt
+        cell = ref.cell = rt.resolve(ref.cell)
+        if cell.value is None:
+            rt.acquire([cell])
+            rt.unlock([cell])
+        return make_wrapper(cell.value, rt, cell)
+
+    def _inplace_view(self, facts, func, base: DTRTensor, args, kwargs):
+        """``x.unsqueeze_(0)`` and friends: ``x`` becomes a new view of the same storage."""
+        twin = self._run(facts_for(facts.functional), facts.functional, args, kwargs)
+        with _no_python_dispatch():
+            func(base, *args[1:], **kwargs)  # updates the wrapper's own sizes and strides
+        base._dtr.cell = twin._dtr.cell
+        return base
+
+    def _unsupported(self, facts, args, kwargs) -> None:
+        for a in list(args) + list(kwargs.values()):
+            if type(a) is DTRTensor and a._dtr.cell.storage.runtime is self.rt:
+                raise NotImplementedError(
+                    f"dtr: {facts.name} replaces the storage of a tensor the engine manages, "
+                    "which dtr does not support; use out-of-place ops (or dtr.materialize(t) to "
+                    "get a plain tensor) inside the dtr.budget block"
+                )
+
+    def _run(self, facts, func, args, kwargs):
+        rt = self.rt
+        # -- writes (before scanning, so that input indices account for the old roots) ------
+        mutated: List[Any] = []
+        const_written: List[torch.Tensor] = []
+        external_written: List[Any] = []
+        if facts.written:
+            for pos, name in facts.written:
+                w = args[pos] if pos is not None else kwargs.get(name)
+                for t in w if type(w) in (list, tuple) else (w,):
+                    if t is None:
+                        continue
+                    if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
+                        ref = t._dtr
+                        s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
+                        if s.state is _EXTERNAL:
+                            external_written.append(s)
+                        elif s not in mutated:
+                            mutated.append(s)
+                    else:
+                        const_written.append(self._plain(t))
+        elif facts.hidden_writes and (facts.training_arg is None or args[facts.training_arg]):
+            for i in facts.hidden_writes:
+                t = args[i]
+                if type(t) is DTRTensor:
+                    raise NotImplementedError(
+                        f"dtr: {facts.name} updates running statistics that were created inside "
+                        "the dtr.budget block; create batch-norm buffers before entering it"
+                    )
+                if t is not None:
+                    const_written.append(t)
+        if const_written:
+            self._before_constant_write(const_written)
+        if external_written or mutated:
+            rt.before_write(external_written + mutated)
+
+        # -- scan arguments ------------------------------------------------------------------
+        # A view op's record keeps no dependency edges (its outputs live and die with its
+        # base's storage), so only the base is a managed input; other tensors go by value.
+        kind = facts.kind
+        view_of = facts.view_of if kind is _VIEW else -1
+        nv = len(mutated)
+        inputs = [s.root for s in mutated]
+        slots = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                if type(a) is DTRTensor:
+                    ref = a._dtr
+                    c = ref.cell
+                    if c.storage.runtime is rt and (view_of < 0 or i == view_of):
+                        if c.storage.forward is not None:
+                            c = ref.cell = rt.resolve(c)
+                        slots.append((i, -1, len(inputs)))
+                        inputs.append(c)
+                        targs[i] = None
+                        continue
+                    a = targs[i] = self._value_of(a)
+                elif a.requires_grad and a.is_leaf and id(a) not in self.hooks:
+                    self._hook(a)
+                consts.append(a)
+            elif type(a) in (list, tuple) and a:
+                targs[i] = self._scan_list(a, i, inputs, slots, consts)
+        if view_of >= 0:
+            kwargs = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else kwargs
+        tkw = None
+        if kwargs:
+            tkw = dict(kwargs)
+            for name, a in kwargs.items():
+                if isinstance(a, _Tensor):
+                    if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
+                        ref = a._dtr
+                        c = ref.cell = rt.resolve(ref.cell)
+                        slots.append((name, -1, len(inputs)))
+                        inputs.append(c)
+                        tkw[name] = None
+                        continue
+                    a = tkw[name] = self._plain(a)
+                    consts.append(a)
+                elif type(a) in (list, tuple) and a:
+                    tkw[name] = self._scan_list(a, name, inputs, slots, consts)
+
+        # -- run --------------------------------------------------------------------------------
+        state = None
+        rt.acquire(inputs)
+        try:
+            if slots:
+                args_v, kw_v = fill(targs, tkw, slots, lambda k: inputs[k].value)
+            else:
+                args_v, kw_v = targs, (tkw or {})
+            state = rng.capture(args_v, kw_v) if facts.random else None
+            grad = torch.is_grad_enabled()
+            t0 = perf_counter()
+            out = func(*args_v, **kw_v)
+            seconds = perf_counter() - t0
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+
+        # -- register outputs ---------------------------------------------------------------
+        fresh = []
+        fresh_pos = []
+        same: Dict[int, Any] = {}  # output position -> input cell returned as it is
+        returns = facts.returns
+        pairs = ((returns[0], out),) if len(returns) == 1 else zip(returns, out)
+        pos = 0
+        base_cell = inputs[nv] if kind is _VIEW else None
+        plain = facts.plain_outputs
+        for (rk, is_list, _), o in pairs:
+            for v in (o if is_list else (o,)):
+                if isinstance(v, _Tensor) and rk != WRITTEN and pos not in plain:
+                    if rk == VIEW:
+                        fresh.append((0, v, base_cell))
+                        fresh_pos.append(pos)
+                    else:
+                        c = _returned_input(v, inputs, consts)
+                        if c is None:
+                            fresh.append((v.untyped_storage().nbytes(), v, None))
+                            fresh_pos.append(pos)
+                        else:
+                            same[pos] = c
+                pos += 1
+        if self.estimate:
+            seconds = estimate_seconds(func, args_v, kw_v, flat(out))
+        replayable = not ((const_written and not facts.hidden_writes) or external_written)
+        rec = OpRecord(facts.name, inputs, None, seconds, replayable)
+        if fresh or mutated:
+            call = Call(func, targs, tkw, tuple(slots), grad)
+            call.rng = state
+            call.fresh = tuple(fresh_pos)
+            if nv:
+                call.versions = nv
+                call.derive = {
+                    k: mutated.index(inputs[k].storage)
+                    for k in range(nv, len(inputs))
+                    if inputs[k].storage in mutated
+                } or None
+            if facts.hidden_writes:
+                self._strip_running_stats(facts, call)
+            rec.payload = call
+        try:
+            cells = rt.complete(rec, [(s, s.root.value) for s in mutated], fresh)
+        except BaseException:
+            if state is not None:
+                _restore_program_rng(state)
+            raise
+        if rec.payload is not None and replayable and consts:
+            rec.payload.consts = self._use_constants(consts, rec.payload)
+
+        # -- wrap -----------------------------------------------------------------------------
+        by_pos = dict(zip(fresh_pos, cells[nv:]))
+        if same:
+            by_pos.update(same)
+        if len(returns) == 1:
+            return self._wrap_return(returns[0], out, by_pos, 0, args, kwargs)[0]
+        res = []
+        pos = 0
+        for r, o in zip(returns, out):
+            w, pos = self._wrap_return(r, o, by_pos, pos, args, kwargs)
+            res.append(w)
+        return tuple(res)
+
+    def _scan_list(self, seq, where, inputs, slots, consts):
+        rt = self.rt
+        out = list(seq)
+        for j, a in enumerate(seq):
+            if isinstance(a, _Tensor):
+                if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
+                    ref = a._dtr
+                    c = ref.cell = rt.resolve(ref.cell)
+                    slots.append((where, j, len(inputs)))
+                    inputs.append(c)
+                    out[j] = None
+                    continue
+                a = out[j] = self._plain(a)
+                consts.append(a)
+        return out
+
+    def _wrap_return(self, ret, o, by_pos, pos, args, kwargs):
+        """The program's view of one schema return starting at flat position ``pos``."""
+        rk, is_list, key = ret
+        n = len(o) if is_list else 1
+        if rk == WRITTEN:
+            i, name = key
+            return (args[i] if i is not None else kwargs[name]), pos + n
+        rt = self.rt
+        if is_list:
+            return [_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)], pos + n
+        return _wrapped(o, rt, by_pos.get(pos)), pos + 1
+
+    @staticmethod
+    def _strip_running_stats(facts, call: Call) -> None:
+        # In training mode batch norm's outputs do not depend on the running statistics, and
+        # a replay must not update them a second time (ops.py, _HIDDEN_WRITES).
+        if facts.replay_stats == "none":
+            for i in facts.hidden_writes:
+                call.args[i] = None
+        else:
+            call.clone_args = facts.hidden_writes
+
+    # ------------------------------------------------------------------ constants
+
+    def _use_constants(self, consts: List[torch.Tensor], call: Call) -> tuple:
+        uses = self.const_uses
+        seen = self.const_bytes
+        info = []
+        for t in consts:
+            if t.layout is not torch.strided:
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            uses[key] = uses.get(key, 0) + 1
+            if key not in seen:
+                seen[key] = st.nbytes()
+            info.append((key, t, t._version))
+        return tuple(info)
+
+    def _before_constant_write(self, tensors: List[torch.Tensor]) -> None:
+        rt = self.rt
+        for t in tensors:
+            key = _key(t)
+            if self.const_uses.get(key):
+                # A recorded op read this tensor; once it changes, that op cannot be replayed.
+                rt.flush()
+                return
+            s = self.external.get(key)
+            if s is not None and s.state is _EXTERNAL:
+                rt.before_write([s])
+
+    # ------------------------------------------------------------------ executor
+
+    def replay(self, rec):
+        return replay(rec, self.estimate)
+
+    def forget(self, rec) -> None:
+        call = rec.payload
+        if call is None:
+            return
+        uses = self.const_uses
+        for key, _, _ in call.consts:
+            n = uses[key] - 1
+            if n:
+                uses[key] = n
+            else:
+                del uses[key]
+        rec.payload = None
+
+    # ------------------------------------------------------------------ handing data out
+
+    def to_plain(self, w: DTRTensor, *, for_grad: bool = False) -> torch.Tensor:
+        """``w``'s data as a plain tensor the program owns from now on.
+
+        The storage stops being charged and evicted (state EXTERNAL). For a gradient that
+        recorded ops still read, a copy is handed out instead, so that accumulating into
+        ``.grad`` later cannot change what those ops replay.
+        """
+        rt = self.rt
+        with rt.lock, _no_python_dispatch():
+            rt.drain()
+            ref = w._dtr
+            cell = ref.cell = rt.resolve(ref.cell)
+            s = cell.storage
+            if for_grad and s.uses:
+                rt.acquire([cell])
+                try:
+                    return cell.value.clone()
+                finally:
+                    rt.unlock([cell])
+            value = rt.extract(cell)
+            self.external[_key(value)] = s
+            return value
+
+    def _hook(self, leaf: torch.Tensor) -> None:
+        """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
+        engine-owned tensors (feasibility Q1)."""
+
+        def plain_grad(param: torch.Tensor) -> None:
+            g = param.grad
+            if type(g) is DTRTensor and g._dtr.cell.storage.runtime is self.rt and not self.rt.closed:
+                param.grad = self.to_plain(g, for_grad=True)
+
+        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(plain_grad)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def begin_optimizer_step(self) -> None:
+        """Parameters are about to change: recorded ops that read them cannot be replayed.
+        Make live tensors resident and drop all lineage; run the step untracked."""
+        rt = self.rt
+        with rt.lock, _no_python_dispatch():
+            rt.drain()
+            rt.flush()
+        self.suspended_thread = threading.get_ident()
+
+    def end_optimizer_step(self) -> None:
+        self.suspended_thread = None
+
+    def close(self) -> int:
+        """End of block. Returns how many ops had to be replayed to define live tensors."""
+        rt = self.rt
+        with rt.lock, _no_python_dispatch():
+            before = rt.counters.rematerializations
+            try:
+                rt.close()
+            finally:
+                for h in self.hooks.values():
+                    h.remove()
+                self.hooks.clear()
+                self.const_uses.clear()
+                self.external.clear()
+                self.suspended_thread = None
+            return rt.counters.rematerializations - before
+
+
+def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
+    """The input cell an op returned as it is although its schema promised a new tensor."""
+    for c in inputs:
+        if c.value is v:
+            return c
+    for t in consts:
+        if t is v:
+            raise DTRError(
+                "dtr internal error: an op returned one of its constant inputs as a new tensor; "
+                "please report the op"
+            )
+    return None
+
+
+def _wrapped(v, rt, cell):
+    """A wrapper for an output with a cell; anything else (plain outputs, None) as it is."""
+    return v if cell is None else make_wrapper(v, rt, cell)
+
+
+def _original_writes(facts, args, kwargs, out):
+    returns = facts.returns
+    if len(returns) == 1:
+        rk, _, key = returns[0]
+        if rk == WRITTEN:
+            return args[key[0]] if key[0] is not None else kwargs[key[1]]
+        return out
+    res = []
+    for (rk, _, key), o in zip(returns, out):
+        if rk == WRITTEN:
+            res.append(args[key[0]] if key[0] is not None else kwargs[key[1]])
+        else:
+            res.append(o)
+    return tuple(res)
+
+
+def _restore_program_rng(state) -> None:
+    """An op that failed for lack of memory must not have advanced the random stream."""
+    kind, where, saved = state
+    if kind == "generator":
+        where.set_state(saved)
+    elif kind == "cuda":
+        torch.cuda.set_rng_state(saved, where)
+    else:
+        torch.set_rng_state(saved)

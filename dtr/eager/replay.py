@@ -1,0 +1,156 @@
+"""How a recorded op is run again: the ``Call`` payload and the helpers that replay it.
+
+A ``Call`` is a template of the op's arguments with holes (``slots``) where managed tensors
+went; a slot names an index into the record's ``inputs``, never a cell, so a record can be
+re-targeted at a new version of its input (``Runtime._translate``) by swapping inputs alone.
+
+Replays restore what the op depended on besides its arguments (Invariant 4):
+- the random state, for ops tagged ``nondeterministic_seeded`` (rng.py);
+- the grad mode (``mkldnn_rnn_layer`` returns its workspace only with grad enabled);
+- for an in-place op, the *old* contents of the storages it wrote: each is cloned from the
+  previous version (Note [Versions]) and the op is applied to the clone;
+- batch norm's running statistics are not touched again (ops.py, ``_HIDDEN_WRITES``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from time import perf_counter
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dtr.eager import rng
+from dtr.eager.cost import estimate_seconds
+from dtr.errors import DTRError
+
+__all__ = ["Call", "flat", "fill", "replay", "derive"]
+
+_no_python_dispatch = torch._C._DisableTorchDispatch
+
+
+class Call:
+    """Replay payload of one record (see module docstring)."""
+
+    __slots__ = (
+        "func",
+        "args",
+        "kwargs",
+        "slots",
+        "rng",
+        "grad",
+        "versions",
+        "derive",
+        "fresh",
+        "consts",
+        "clone_args",
+    )
+
+    def __init__(self, func, args: list, kwargs: Optional[dict], slots: tuple, grad: bool) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.slots = slots  # (arg position or kwarg name, list index or -1, input index)
+        self.rng = None
+        self.grad = grad
+        self.versions = 0  # inputs[:versions] are the old roots of storages written in place
+        self.derive: Optional[Dict[int, int]] = None  # input index -> written storage index
+        self.fresh: Tuple[int, ...] = ()  # positions in flat(result) of the fresh outputs
+        self.consts: tuple = ()  # (storage key, tensor, version) of constant arguments
+        self.clone_args: Tuple[int, ...] = ()  # constant arguments a replay must not write
+
+
+def flat(out: Any) -> List[Any]:
+    """The op's results as one list (tuples and lists of tensors flattened one level)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        items: List[Any] = []
+        for o in out:
+            if isinstance(o, (tuple, list)):
+                items.extend(o)
+            else:
+                items.append(o)
+        return items
+    return [out]
+
+
+def fill(template: list, kwargs: Optional[dict], slots, value_of) -> Tuple[list, dict]:
+    """Copies of the templates with every slot set to ``value_of(input index)``."""
+    args = list(template)
+    kw = dict(kwargs) if kwargs else {}
+    copied = set()
+    for i, j, k in slots:
+        v = value_of(k)
+        box = kw if type(i) is str else args
+        if j < 0:
+            box[i] = v
+        else:
+            if (i, "list") not in copied:
+                box[i] = list(box[i])
+                copied.add((i, "list"))
+            box[i][j] = v
+    return args, kw
+
+
+def _clone_root(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value``'s whole storage, viewed exactly like ``value``."""
+    storage = value.untyped_storage().clone()
+    return value.new_empty((0,)).set_(storage, value.storage_offset(), value.size(), value.stride())
+
+
+def derive(cell, root_value: torch.Tensor) -> torch.Tensor:
+    """``cell``'s view, taken from ``root_value`` instead of its storage's root."""
+    chain = []
+    c = cell
+    root = c.storage.root
+    while c is not root:
+        chain.append(c)
+        c = c.parent.inputs[0]
+    v = root_value
+    for c in reversed(chain):
+        p = c.parent.payload
+        args, kw = fill(p.args, p.kwargs, p.slots, lambda k, v=v: v)
+        v = flat(p.func(*args, **kw))[c.index]
+    return v
+
+
+def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
+    """Run ``rec`` again (see module docstring). Returns output values and cost in seconds."""
+    p = rec.payload
+    inputs = rec.inputs
+    with _no_python_dispatch():
+        clones = [_clone_root(inputs[m].value) for m in range(p.versions)]
+        if p.derive:
+            deriv = p.derive
+
+            def value_of(k):
+                m = deriv.get(k)
+                return inputs[k].value if m is None else derive(inputs[k], clones[m])
+
+        else:
+
+            def value_of(k):
+                return inputs[k].value
+
+        args, kw = fill(p.args, p.kwargs, p.slots, value_of)
+        for i in p.clone_args:
+            args[i] = args[i].clone()
+        for key, t, version in p.consts:
+            if t._version != version:
+                raise DTRError(
+                    f"dtr: cannot recompute {rec.name}: one of its inputs, a tensor created "
+                    "outside the dtr.budget block, was modified in place without dtr seeing it "
+                    "(e.g. from another thread or under torch.no_grad() with .data). Modify "
+                    "such tensors only between blocks, or through ordinary in-place ops."
+                )
+        ctx_rng = rng.restored(p.rng) if p.rng is not None else contextlib.nullcontext()
+        ctx_grad = torch.set_grad_enabled(p.grad) if p.grad != torch.is_grad_enabled() else contextlib.nullcontext()
+        with ctx_rng, ctx_grad:
+            t0 = perf_counter()
+            out = p.func(*args, **kw)
+            seconds = perf_counter() - t0
+        results = flat(out)
+        if estimate:
+            seconds = estimate_seconds(p.func, args, kw, results)
+    return clones + [results[i] for i in p.fresh], seconds

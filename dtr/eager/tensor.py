@@ -1,0 +1,114 @@
+"""``DTRTensor``: the wrapper the program holds for a tensor whose data the engine manages.
+
+The wrapper carries only metadata (sizes, strides, dtype, device) and ``_dtr``, a ``Ref`` to
+the engine's cell, which holds the data when it is resident. Every op on a wrapper goes to
+the driver of the engine that made it; once that engine's block has exited, the wrapper
+holds its data for good and ops on it run eagerly and return plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["DTRTensor", "is_dtr", "make_wrapper"]
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_strided = torch.strided
+
+
+class DTRTensor(torch.Tensor):
+    """A tensor whose storage the dtr engine may evict and recompute.
+
+    It behaves like the tensor it stands for: ops, autograd, printing, ``.item()``,
+    ``.tolist()``, ``.numpy()`` and pickling work. Use ``dtr.materialize(t)`` to get the plain
+    tensor (detached) it currently holds.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rt = _runtime_of(args, kwargs)
+        if rt is not None and not rt.closed:
+            return rt.executor.dispatch(func, args, kwargs)
+        from dtr.eager.escaped import run_escaped
+
+        return run_escaped(func, args, kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        from dtr.eager.materialize import materialize
+
+        text = repr(materialize(self))
+        extra = ""
+        if self.grad_fn is not None:
+            extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            extra = ", requires_grad=True"
+        return text[:-1] + extra + ")" if extra else text
+
+    def tolist(self) -> Any:
+        from dtr.eager.materialize import materialize
+
+        return materialize(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        from dtr.eager.materialize import materialize
+
+        if self.requires_grad and not force:
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
+        return materialize(self).numpy(force=force)
+
+    def data_ptr(self) -> int:
+        """Address of the data as it is now; it changes if the engine evicts and recomputes it."""
+        from dtr.eager.materialize import materialize
+
+        return materialize(self).data_ptr()
+
+    def __reduce_ex__(self, protocol):
+        # Pickle (torch.save) the value as a plain tensor: the engine's state cannot travel.
+        from dtr.eager.materialize import materialize
+
+        return materialize(self).__reduce_ex__(protocol)
+
+
+def is_dtr(x: Any) -> bool:
+    return type(x) is DTRTensor
+
+
+def make_wrapper(value: torch.Tensor, runtime, cell) -> DTRTensor:
+    """A new wrapper over ``cell`` (whose value is ``value``), counted by ``runtime``."""
+    if value.layout is _strided:
+        w = _make_wrapper_subclass(
+            DTRTensor,
+            value.size(),
+            strides=value.stride(),
+            storage_offset=value.storage_offset(),
+            dtype=value.dtype,
+            device=value.device,
+            requires_grad=False,
+        )
+    else:
+        w = _make_wrapper_subclass(
+            DTRTensor, value.size(), dtype=value.dtype, device=value.device, layout=value.layout
+        )
+    w._dtr = runtime.track(w, cell)
+    return w
+
+
+def _runtime_of(args, kwargs):
+    for a in args:
+        if type(a) is DTRTensor:
+            return a._dtr.cell.storage.runtime
+        if type(a) in (list, tuple):
+            for b in a:
+                if type(b) is DTRTensor:
+                    return b._dtr.cell.storage.runtime
+    for a in kwargs.values():
+        if type(a) is DTRTensor:
+            return a._dtr.cell.storage.runtime
+    return None

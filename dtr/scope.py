@@ -1,0 +1,217 @@
+"""``dtr.budget(...)`` and the ``Engine`` it returns: the user's handle on one DTR budget.
+
+Note [Block lifecycle]
+~~~~~~~~~~~~~~~~~~~~~~
+- Entering a block pushes a ``DTRMode`` on the current thread and starts a fresh runtime.
+  Tensors that exist already (parameters, buffers, inputs, optimizer state) are constants.
+- ``optimizer.step()`` inside the block: just before it, every tensor the program still holds
+  is made resident and its lineage dropped (the parameters are about to change, so recorded
+  ops that read them could no longer be replayed faithfully); the step itself runs untracked,
+  so optimizer state stays plain.
+- Leaving the block does the same for every tensor still alive, so tensors that escape stay
+  correct; from then on they hold their data and ops on them run eagerly. If some of them had
+  been evicted (typically: activations saved for a ``backward()`` that runs after the block),
+  they are recomputed at exit, and a warning says so.
+- Blocks do not nest (a clear error); one engine may be entered again, its statistics add up.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from dtr.config import parse_bytes
+from dtr.eager.cost import COST_MODES
+from dtr.eager.driver import Driver
+from dtr.eager.mode import DTRMode
+from dtr.engine import Heuristic, Stats, make_heuristic
+from dtr.errors import DTRError
+
+__all__ = ["Engine", "budget"]
+
+_local = threading.local()
+_OPTIONS = ("cost",)
+
+
+class Engine:
+    """A DTR memory budget; use it as a context manager (see ``dtr.budget``).
+
+    Attributes:
+        budget: bytes (int) or None. Settable at any time, also in the middle of a forward or
+            backward pass, with the same forms ``dtr.budget`` accepts; lowering it evicts at
+            once, or raises ``OutOfBudgetError`` and keeps the old budget if it cannot.
+    """
+
+    def __init__(
+        self,
+        limit: Union[int, str, None],
+        *,
+        heuristic: Union[str, Heuristic] = "dtr_eq",
+        cost: str = "auto",
+    ) -> None:
+        self._budget = parse_bytes(limit)
+        make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
+        self._heuristic = heuristic
+        if cost not in COST_MODES:
+            raise ValueError(f"dtr.budget: cost must be one of {COST_MODES}, got {cost!r}")
+        self._cost = cost
+        self._driver: Optional[Driver] = None
+        self._mode: Optional[DTRMode] = None
+        self._hooks: list = []
+        self._done = dict(ops=0, evictions=0, eager_evictions=0, rematerializations=0,
+                          remat_seconds=0.0, flushes=0)
+        self._peak = 0
+        self._constant_bytes = 0
+
+    # ---------------------------------------------------------------- budget
+
+    @property
+    def budget(self) -> Optional[int]:
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: Union[int, str, None]) -> None:
+        b = parse_bytes(value)
+        d = self._driver
+        if d is not None:
+            with d.rt.lock:
+                d.rt.drain()
+                d.rt.set_budget(b)
+        self._budget = b
+
+    # ---------------------------------------------------------------- block
+
+    def __enter__(self) -> "Engine":
+        if getattr(_local, "engine", None) is not None:
+            raise DTRError(
+                "dtr.budget blocks cannot be nested; to change the limit inside a block, "
+                "set engine.budget instead"
+            )
+        if self._driver is not None:
+            raise DTRError("this engine's block is already active (on another thread)")
+        if torch.compiler.is_compiling():
+            raise DTRError("dtr.budget cannot be entered inside torch.compile'd code")
+        heuristic = make_heuristic(self._heuristic)
+        driver = Driver(self._budget, heuristic, estimate=self._cost == "estimate")
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._hooks = [
+            register_optimizer_step_pre_hook(lambda opt, a, k: driver.begin_optimizer_step()),
+            register_optimizer_step_post_hook(lambda opt, a, k: driver.end_optimizer_step()),
+        ]
+        self._driver = driver
+        self._mode = DTRMode(driver)
+        self._mode.__enter__()
+        _local.engine = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        driver, mode = self._driver, self._mode
+        try:
+            mode.__exit__(exc_type, exc, tb)
+            recomputed = driver.close()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            _local.engine = None
+            self._absorb(driver)
+            self._driver = self._mode = None
+        if recomputed and exc_type is None:
+            warnings.warn(
+                f"dtr: {recomputed} ops were replayed at block exit to recompute tensors that "
+                "were still referenced but had been evicted (often: activations saved for a "
+                "backward() that runs after the block). Run backward() inside the block to "
+                "keep them under the budget.",
+                stacklevel=2,
+            )
+
+    def _absorb(self, driver: Driver) -> None:
+        c = driver.rt.counters
+        d = self._done
+        d["ops"] += driver.ops
+        d["evictions"] += c.evictions
+        d["eager_evictions"] += c.eager_evictions
+        d["rematerializations"] += c.rematerializations
+        d["remat_seconds"] += c.remat_cost
+        d["flushes"] += c.flushes
+        self._peak = max(self._peak, driver.rt.peak)
+        self._constant_bytes = sum(driver.const_bytes.values())
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> Stats:
+        """What this engine has done so far, summed over its blocks (see ``dtr.Stats``)."""
+        d = dict(self._done)
+        peak, resident, constant = self._peak, 0, self._constant_bytes
+        driver = self._driver
+        if driver is not None:
+            rt = driver.rt
+            with rt.lock:
+                c = rt.counters
+                d["ops"] += driver.ops
+                d["evictions"] += c.evictions
+                d["eager_evictions"] += c.eager_evictions
+                d["rematerializations"] += c.rematerializations
+                d["remat_seconds"] += c.remat_cost
+                d["flushes"] += c.flushes
+                peak = max(peak, rt.peak)
+                resident = rt.memory
+                constant = sum(driver.const_bytes.values())
+        return Stats(
+            resident_bytes=resident,
+            peak_resident_bytes=peak,
+            constant_bytes=constant,
+            budget=self._budget,
+            **d,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the runtime's invariants (for tests; O(number of tensors))."""
+        if self._driver is not None:
+            with self._driver.rt.lock:
+                self._driver.rt.drain()
+                self._driver.rt.check_invariants()
+
+    def __repr__(self) -> str:
+        state = "active" if self._driver is not None else "inactive"
+        return f"<dtr.Engine budget={self._budget} heuristic={self._heuristic!r} {state}>"
+
+
+def budget(
+    limit: Union[int, str, None], *, heuristic: Union[str, Heuristic] = "dtr_eq", **options
+) -> Engine:
+    """Run the enclosed code with at most ``limit`` bytes of managed tensors in memory.
+
+    ``with dtr.budget("6 GiB") as engine: loss = model(x); loss.backward()`` trains as eager
+    PyTorch would (same values, same gradients, plain ``.grad`` tensors), evicting tensors
+    produced inside the block when their bytes would exceed the budget and recomputing them by
+    replaying the ops that made them when they are needed again.
+
+    Args:
+        limit: bytes (int), a string with SI or IEC units ("800MB", "1.5 GiB"), or None to
+            track without evicting.
+        heuristic: which storage to evict first: a name from
+            ``dtr.heuristic_names()`` (default "dtr_eq", the DTR paper's h_DTR^eq) or a
+            heuristic object (see ``dtr.Heuristic``).
+        cost: "auto" (default: measured kernel time on CPU, a roofline estimate on
+            accelerators, where timing would need synchronization) or "estimate" (always the
+            deterministic estimate).
+
+    Returns:
+        An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.
+
+    Raises:
+        ValueError: on a malformed limit, an unknown heuristic or a bad option value.
+        TypeError: on an unknown option.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"dtr.budget() got unknown option(s) {unknown}; known options: {list(_OPTIONS)}")
+    return Engine(limit, heuristic=heuristic, **options)

@@ -1,0 +1,62 @@
+"""Every zoo model gives eager's loss, gradients and running statistics bit for bit under
+dtr, at 100%, 70% and 50% of its unconstrained peak and at the lowest budget that runs, and
+at low budgets it really evicts and recomputes."""
+
+import pytest
+
+import dtr
+from dtr.testing.step import assert_same, fresh_model, run_step
+from dtr.testing.zoo import MODELS, build
+
+from conftest import GuardedDTREq, Thrashing
+
+# Fractions tried, below 50%, when searching for the lowest budget that runs.
+LADDER = (0.4, 0.3, 0.2, 0.1)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def case(request):
+    w = build(request.param)
+    eager = run_step(w, fresh_model(w))
+    tracked = run_step(w, fresh_model(w), None)
+    return w, eager, tracked.stats.peak_resident_bytes
+
+
+def test_unlimited_budget_tracks_without_evicting(case):
+    w, eager, peak = case
+    r = run_step(w, fresh_model(w), None)
+    assert_same(r, eager)
+    assert r.stats.evictions == 0 and r.stats.rematerializations == 0
+    assert r.stats.peak_resident_bytes == peak > 0
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.5])
+def test_budget_fraction(case, fraction):
+    w, eager, peak = case
+    budget = int(peak * fraction)
+    r = run_step(w, fresh_model(w), budget, cost="estimate")
+    assert_same(r, eager)
+    if fraction == 1.0:
+        assert r.stats.evictions == 0
+    else:
+        assert r.stats.evictions > 0 and r.stats.rematerializations > 0
+    assert r.stats.peak_resident_bytes <= peak
+
+
+def test_lowest_budget_that_runs(case):
+    w, eager, peak = case
+    lowest = None
+    for fraction in LADDER:
+        budget = int(peak * fraction)
+        try:
+            r = run_step(w, fresh_model(w), budget, heuristic=GuardedDTREq(200_000), cost="estimate")
+        except (dtr.OutOfBudgetError, Thrashing):
+            break
+        assert_same(r, eager)
+        lowest = (fraction, r.stats)
+    if lowest is None:  # 50% (tested above) is the lowest rung that runs
+        r = run_step(w, fresh_model(w), int(peak * 0.5), cost="estimate")
+        lowest = (0.5, r.stats)
+    fraction, stats = lowest
+    assert stats.evictions > 0 and stats.rematerializations > 0
+    print(f"{w.name}: lowest budget that runs: {fraction:.0%} of peak, {stats.rematerializations} replays")
