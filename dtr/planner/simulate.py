@@ -194,15 +194,17 @@ def _timeline(events: Sequence[_Event], bandwidth: float, budget: Optional[Numbe
         if event.transfer is not None:
             queued, since = pending + event.transfer, now
             continue
-        start = now
+        start, held = now, event.memory + pending if pending else event.memory
         if budget is not None:
             if event.memory > budget:
                 raise ValueError(f"simulate: {event.where} holds {event.memory} even with no transfer "
                                  f"in flight, more than the budget {budget}")
-            if event.memory + pending > budget:
-                start = since + (queued + event.memory - budget) / bandwidth
-                pending = max(queued - bandwidth * (start - since), 0.0)
-        peak = max(peak, event.memory + pending if pending else event.memory)
+            if held > budget:
+                # It starts when the transfers in flight have freed just enough: at exactly the budget
+                # (recomputing the pending bytes at that time could round above it).
+                start = max(now, since + (queued + event.memory - budget) / bandwidth)
+                held = budget
+        peak = max(peak, held)
         now = start + event.duration
     pending = max(queued - bandwidth * (now - since), 0.0) if queued else 0.0
     return now, pending, peak
