@@ -45,6 +45,8 @@ from dtr.planner.discretize import Units, exact_sizes, to_units
 
 __all__ = ["rotor_table", "remat_plan", "remat_feasible", "remat_lower_bound", "min_memory", "times"]
 
+_MAX_TABLE_BYTES = 8 * 2**30  # refuse to start a fill that cannot finish in memory
+
 #: ``rotor_table(tf, tb, pre, x, xb, of, ob, budget) -> (value, choice)``; see :func:`rotor_table`.
 TableFn = Callable[..., Tuple[float, np.ndarray]]
 
@@ -213,6 +215,11 @@ def remat_plan(chain: Chain, budget: Number, slots: int, table: TableFn) -> Opti
     available = slots - units.x[0]  # the input a^0 stays outside the DP's budget
     if available < 0:
         return None
+    n = chain.length + 1
+    table_bytes = 10 * n * (n + 1) // 2 * (available + 1)  # float64 costs + int16 choices
+    if table_bytes > _MAX_TABLE_BYTES:
+        raise ValueError(f"dtr.planner.solve: the DP table for {chain.length} stages and {slots} slots needs "
+                         f"{table_bytes / 2**30:.1f} GiB; use fewer slots or group stages into blocks")
     tf, tb, pre = times(chain)
     arrays = [np.array(v, dtype=np.int64) for v in units]
     value, choice = table(tf, tb, pre, *arrays, available)
