@@ -11,10 +11,11 @@ import itertools
 import math
 from typing import List, Optional, Tuple
 
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from dtr.planner import HAS_NATIVE, Chain, simulate, store_all
+from dtr.planner import HAS_NATIVE, Chain, InfeasibleBudgetError, Plan, simulate, solve, store_all
 
 #: Both DP backends in one pytest run (parametrize, not a fixture: Hypothesis tests use it too).
 BACKENDS = ["python", pytest.param("native", marks=pytest.mark.skipif(
@@ -52,6 +53,32 @@ def chains(draw, max_stages: int = 6, max_size: int = 6, integer_times: bool = T
 
 def peak_all(chain: Chain) -> float:
     return simulate(chain, store_all(chain))[1]
+
+
+def solve_checked(chain: Chain, budget: float, **kwargs) -> Optional[Plan]:
+    """``solve``, asserting its contract: a plan fits and replays to its own numbers; an
+    infeasible budget reports a larger ``min_budget``. Returns None when infeasible."""
+    try:
+        plan = solve(chain, budget, **kwargs)
+    except InfeasibleBudgetError as error:
+        assert error.min_budget > budget
+        return None
+    assert plan.peak <= budget
+    assert simulate(chain, plan.ops, budget=budget, offload_bandwidth=plan.offload_bandwidth) == (
+        plan.makespan, plan.peak)
+    return plan
+
+
+def least_budget(chain: Chain, too_small: float, **kwargs) -> float:
+    """The ``min_budget`` reported for ``too_small``, asserting it solves and one step below does not
+    (one unit for integer answers, one float otherwise)."""
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(chain, too_small, **kwargs)
+    least = info.value.min_budget
+    assert solve(chain, least, **kwargs).peak <= least
+    with pytest.raises(InfeasibleBudgetError):
+        solve(chain, least - 1 if isinstance(least, int) else np.nextafter(least, 0), **kwargs)
+    return least
 
 
 def search(chain: Chain, budget: float, persistent: bool) -> Tuple[float, Optional[List[tuple]]]:
