@@ -32,9 +32,9 @@ Note [Departures from the appendix]
 2. Debts (in levels) are rounded up to whole levels after every step (within 1e-9 of a level, so
    that float noise does not add a level). Rounding up only delays things, so the simulated plan is
    never slower than the DP's value, nor over the budget.
-3. The appendix's ``εF`` for ``F_ck`` blocks uses the distance from the block *start*; timed in
-   forward time with waits at the start that is the same total wait, and it is what is used here for
-   the forward phase; in the backward phase the distance is to the block end, per Lemma 1.
+3. Forward blocks (``F_ck^i, F_none...``) are timed op by op: the input joins the transfer queue
+   after ``F_ck^i``, so one Lemma-1 wait from the block start would not be exact. Backward blocks
+   use Lemma 1's closed form, with each op's distance to the block end (prefetch mirror).
 
 Note [Identical backends]
 ~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -12,7 +12,8 @@ plus its transient overhead (rotor paper, Defs 3.3/3.4):
 * ``F_all^k``: needs ``a^(k-1)`` or ``ā^(k-1)``; adds ``ā^k``.
 * ``F_ck^k``: needs ``a^(k-1)`` or ``ā^(k-1)``; adds ``a^k``.
 * ``F_none^k``: needs a plain ``a^(k-1)``; adds ``a^k``, then drops ``a^(k-1)``. (On a tape
-  ``ā^(k-1)`` it would throw away what ``B^(k-1)`` needs, so it is rejected.)
+  ``ā^(k-1)`` it would throw away what ``B^(k-1)`` needs, and ``F_none^1`` would drop ``a^0``,
+  which nothing can recompute: both are rejected.)
 * ``B^k``: needs ``δ^k``, ``ā^k`` and ``a^(k-1)`` or ``ā^(k-1)``; adds ``δ^(k-1)``, then drops
   ``δ^k``, ``ā^k``, and ``a^(k-1)`` if it is plain (an ``ā^(k-1)`` stays for ``B^(k-1)``).
 
