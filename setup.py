@@ -1,0 +1,43 @@
+"""Build hook for the optional native planner ``dtr_ext`` (everything else is in pyproject.toml).
+
+The extension speeds up ``dtr.planner``'s DPs; the pure-Python planner gives the same plans. If
+no C compiler is found or the build fails, installation goes on without it and says so here; at
+run time ``dtr.planner.HAS_NATIVE`` is False and one warning says why.
+"""
+
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that turns any failure into a warning: the pure-Python planner is the fallback."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler, missing headers: anything the platform throws
+            self._fallback(exc)
+
+    def build_extension(self, ext):
+        # The native and Python DPs must round alike: no fused multiply-add contraction.
+        if self.compiler.compiler_type == "msvc":
+            ext.extra_compile_args = ["/O2", "/fp:precise"]
+        else:
+            ext.extra_compile_args = ["-O2", "-ffp-contract=off"]
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._fallback(exc)
+
+    def _fallback(self, exc):
+        self.warn(f"dtr: building the native planner dtr_ext failed ({exc}); installing without it. "
+                  "dtr.planner will use its pure-Python DPs (same plans, slower).")
+
+
+extensions = [] if os.environ.get("DTR_PUREPYTHON") == "1" else [
+    Extension("dtr_ext._planner", sources=["dtr_ext/planner.c"]),
+]
+
+setup(ext_modules=extensions, cmdclass={"build_ext": OptionalBuildExt})
