@@ -10,8 +10,9 @@ recomputing them when needed, at run time, with no tracing and no changes to the
     engine.budget = "4 GiB"      # change it at run time
     print(engine.stats())
 
-The torch-facing names are imported on first use, so that the torch-free parts
-(``dtr.engine``, ``dtr.planner``) can be imported, and tested, without torch.
+The torch-facing names (and the planner, which needs NumPy) are imported on first use, so
+that the torch-free parts (``dtr.engine``, ``dtr.planner``) can be imported, and tested,
+without torch. ``dtr.HAS_NATIVE`` says whether the planner's native solver is in use.
 """
 
 from importlib import import_module
@@ -23,6 +24,7 @@ __all__ = [
     "DTRError",
     "DTRTensor",
     "Engine",
+    "HAS_NATIVE",
     "Heuristic",
     "InfeasibleBudgetError",
     "OutOfBudgetError",
@@ -30,6 +32,7 @@ __all__ = [
     "budget",
     "heuristic_names",
     "materialize",
+    "planner",
     "register_heuristic",
 ]
 
@@ -38,10 +41,13 @@ _LAZY = {
     "Engine": "dtr.scope",
     "materialize": "dtr.eager.materialize",
     "DTRTensor": "dtr.eager.tensor",
+    "HAS_NATIVE": "dtr.planner",
 }
 
 
 def __getattr__(name: str):
+    if name == "planner":
+        return import_module("dtr.planner")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dtr' has no attribute {name!r}")
