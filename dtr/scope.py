@@ -154,6 +154,7 @@ class Engine:
         if driver is not None:
             rt = driver.rt
             with rt.lock:
+                rt.drain()  # count tensors the program has dropped as gone
                 c = rt.counters
                 d["ops"] += driver.ops
                 d["evictions"] += c.evictions

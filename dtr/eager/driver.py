@@ -255,7 +255,10 @@ class Driver:
         fresh_pos = []
         same: Dict[int, Any] = {}  # output position -> input cell returned as it is
         returns = facts.returns
-        pairs = ((returns[0], out),) if len(returns) == 1 else zip(returns, out)
+        if len(returns) == 1:
+            pairs = ((returns[0], out),)
+        else:  # several returns, or none (out is None: e.g. the profiler's record_function)
+            pairs = zip(returns, out) if returns else ()
         pos = 0
         base_cell = inputs[nv] if kind is _VIEW else None
         plain = facts.plain_outputs
@@ -267,11 +270,17 @@ class Driver:
                         fresh_pos.append(pos)
                     else:
                         c = _returned_input(v, inputs, consts)
-                        if c is None:
-                            fresh.append((v.untyped_storage().nbytes(), v, None))
-                            fresh_pos.append(pos)
-                        else:
+                        if c is not None:
                             same[pos] = c
+                        else:
+                            nbytes = v.untyped_storage().nbytes()
+                            # An empty output holds nothing to manage, and a one-element
+                            # uninitialized one is a placeholder (ops.py, _PLACEHOLDERS): plain,
+                            # they stay usable by code that swaps storages in (deepcopy,
+                            # torch.load).
+                            if nbytes and not (facts.placeholder and v.numel() <= 1):
+                                fresh.append((nbytes, v, None))
+                                fresh_pos.append(pos)
                 pos += 1
         if self.estimate:
             seconds = estimate_seconds(func, args_v, kw_v, flat(out))
@@ -306,6 +315,8 @@ class Driver:
             by_pos.update(same)
         if len(returns) == 1:
             return self._wrap_return(returns[0], out, by_pos, 0, args, kwargs)[0]
+        if not returns:
+            return out
         res = []
         pos = 0
         for r, o in zip(returns, out):

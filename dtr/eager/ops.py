@@ -67,6 +67,7 @@ class OpFacts:
         "replay_stats",
         "functional",
         "plain_outputs",
+        "placeholder",
     )
 
     def __init__(self, func) -> None:
@@ -84,6 +85,7 @@ class OpFacts:
         self.replay_stats: Optional[str] = None  # "none" or "clone" for running statistics
         self.functional = None  # out-of-place twin of an INPLACE_VIEW op
         self.plain_outputs: Tuple[int, ...] = ()  # flat output positions returned unwrapped
+        self.placeholder = False  # returns uninitialized memory (see _PLACEHOLDERS)
 
     def __repr__(self) -> str:
         return f"OpFacts({self.name}, {self.kind.name})"
@@ -116,6 +118,11 @@ _PLAIN_OUTPUTS = {
     "aten::_pack_padded_sequence": (1,),  # batch_sizes, read by the RNN kernels' C++ code
 }
 
+# Ops whose output is uninitialized memory. When it has at most one element it is a
+# placeholder that code swaps a storage into (copy.deepcopy: new_empty([]) then set_), and it
+# must keep the type of a plain tensor; larger ones (dropout masks) are managed as usual.
+_PLACEHOLDERS = {"aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided", "aten::empty_like"}
+
 
 def facts_for(func) -> OpFacts:
     """The (cached) facts of ``func``."""
@@ -132,6 +139,7 @@ def _compute(func) -> OpFacts:
     tags = func.tags
     f.random = torch.Tag.nondeterministic_seeded in tags
     f.plain_outputs = _PLAIN_OUTPUTS.get(name, ())
+    f.placeholder = name in _PLACEHOLDERS
 
     arg_sets = {}
     written = []

@@ -49,6 +49,12 @@ class DTRTensor(torch.Tensor):
             extra = ", requires_grad=True"
         return text[:-1] + extra + ")" if extra else text
 
+    def __format__(self, format_spec: str) -> str:
+        # torch.Tensor formats 0-dim tensors as numbers only for exact torch.Tensor.
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def tolist(self) -> Any:
         from dtr.eager.materialize import materialize
 
