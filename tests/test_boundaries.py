@@ -1,0 +1,35 @@
+"""Project boundaries: the engine and the planner stay torch-free, and CI runs exactly the
+README's test command."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports_torch(module: str) -> bool:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip() == "True"
+
+
+def test_engine_does_not_import_torch():
+    assert not _imports_torch("dtr.engine")
+
+
+def test_planner_does_not_import_torch():
+    assert not _imports_torch("dtr.planner")
+
+
+def test_public_api_does_import_torch_when_used():
+    assert _imports_torch("dtr.scope")
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    assert len(block) == 2, "the README opens with exactly two commands"
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [block[1]]

@@ -1,0 +1,187 @@
+"""Tensors under dtr behave like eager tensors: inside the block, after it, and in the hands
+of optimizers, checkpoints and other threads."""
+
+import io
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import dtr
+from dtr.testing.step import assert_same, fresh_model, run_step
+from dtr.testing.zoo import build
+
+
+def _chain(n=10, width=64, batch=64):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n)])
+    return model, torch.randn(batch, width)
+
+
+def test_item_print_tolist_numpy_pickle():
+    x = torch.arange(6.0).reshape(2, 3)
+    with dtr.budget(None):
+        y = x * 2
+        z = (x.requires_grad_() * 3).sum()
+        assert isinstance(y, dtr.DTRTensor)
+        assert y.sum().item() == 30.0
+        assert repr(y) == repr(x.detach() * 2)
+        assert "grad_fn=<SumBackward0>" in repr(z)
+        assert y.tolist() == (x.detach() * 2).tolist()
+        assert np.array_equal(y.numpy(), (x.detach() * 2).numpy())
+        with pytest.raises(RuntimeError, match="requires grad"):
+            z.numpy()
+        assert f"{y.sum():.1f}" == "30.0"
+        buf = io.BytesIO()
+        torch.save(y, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        assert type(loaded) is torch.Tensor and torch.equal(loaded, x.detach() * 2)
+        assert torch.equal(pickle.loads(pickle.dumps(y)), x.detach() * 2)
+        assert y.data_ptr() == dtr.materialize(y).data_ptr() != 0
+
+
+def test_tensors_escaping_the_block_stay_correct():
+    model, x = _chain()
+    ref = [layer(x) for layer in [model[:i] for i in range(1, 11)]]
+    outs = []
+    with dtr.budget(None) as engine:
+        h = x
+        for layer in model:
+            h = layer(h)
+            outs.append(h)
+    with pytest.warns(UserWarning, match="replayed at block exit"):
+        with dtr.budget(engine.stats().peak_resident_bytes // 3) as engine:
+            h, kept = x, []
+            for layer in model:
+                h = layer(h)
+                kept.append(h)
+            assert engine.stats().evictions > 0
+    with torch.no_grad():
+        for k, r in zip(kept, ref):
+            assert torch.equal(k, r)  # ops on escaped tensors run eagerly
+            assert type(k + 1) is torch.Tensor
+            assert torch.equal(dtr.materialize(k), r)
+        kept[0].add_(1)  # in place on an escaped tensor: the program's own object changes
+        assert torch.equal(kept[0], ref[0] + 1)
+    # An escaped tensor used in a later block is a constant there.
+    with dtr.budget(None):
+        s = kept[-1] * 2
+    assert torch.equal(s, ref[-1] * 2)
+
+
+def test_materialize_returns_plain_and_stops_charging():
+    x = torch.randn(64, 64)
+    with dtr.budget(None) as engine:
+        y = x.exp()
+        before = engine.stats().resident_bytes
+        p = dtr.materialize(y)
+        assert type(p) is torch.Tensor and not p.requires_grad and torch.equal(p, x.exp())
+        assert engine.stats().resident_bytes == before - 64 * 64 * 4
+        assert torch.equal(y * 2, x.exp() * 2)  # y keeps working
+    assert dtr.materialize(x) is x
+    with pytest.raises(ValueError, match="expects a tensor"):
+        dtr.materialize(3)
+
+
+def test_grads_are_plain_and_optimizers_checkpoints_work():
+    w = build("transformer")
+    eager_model = fresh_model(w)
+    dtr_model = fresh_model(w)
+    opt_e = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    opt_d = torch.optim.AdamW(dtr_model.parameters(), lr=1e-3)
+    with dtr.budget(None) as engine:
+        w.loss_fn(fresh_model(w), w.batch).backward()
+    budget = engine.stats().peak_resident_bytes // 2
+    for step in range(3):
+        torch.manual_seed(step)
+        loss_e = w.loss_fn(eager_model, w.batch)
+        loss_e.backward()
+        torch.nn.utils.clip_grad_norm_(eager_model.parameters(), 1.0)
+        opt_e.step()
+        opt_e.zero_grad()
+        torch.manual_seed(step)
+        with dtr.budget(budget) as engine:  # the optimizer step runs inside the block
+            loss_d = w.loss_fn(dtr_model, w.batch)
+            loss_d.backward()
+            for p in dtr_model.parameters():
+                assert type(p.grad) is torch.Tensor
+            torch.nn.utils.clip_grad_norm_(dtr_model.parameters(), 1.0)
+            opt_d.step()
+            opt_d.zero_grad()
+        assert torch.equal(loss_d, loss_e)
+        assert engine.stats().evictions > 0
+    for pe, pd in zip(eager_model.parameters(), dtr_model.parameters()):
+        assert torch.equal(pe, pd)
+    for state in opt_d.state.values():
+        for v in state.values():
+            assert type(v) is torch.Tensor  # optimizer state never becomes engine-owned
+    buf = io.BytesIO()
+    torch.save({"model": dtr_model.state_dict(), "opt": opt_d.state_dict()}, buf)
+    buf.seek(0)
+    assert torch.load(buf)["model"].keys() == dtr_model.state_dict().keys()
+
+
+def test_backward_on_another_thread():
+    """On CUDA autograd runs backward on its own device thread; here a plain thread stands in
+    for it: its ops reach the engine through the tensor subclass, not the mode."""
+    w = build("mlp")
+    eager = run_step(w, fresh_model(w))
+    peak = run_step(w, fresh_model(w), None).stats.peak_resident_bytes
+    model = fresh_model(w)
+    torch.manual_seed(1)
+    errors = []
+    with dtr.budget(peak // 2) as engine:
+        loss = w.loss_fn(model, w.batch)
+
+        def backward():
+            try:
+                loss.backward()
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=backward)
+        t.start()
+        t.join()
+        engine.check_invariants()
+    assert not errors, errors
+    assert engine.stats().rematerializations > 0
+    from dtr.testing.step import StepResult
+
+    got = StepResult(dtr.materialize(loss), [p.grad for p in model.parameters()],
+                     [b.clone() for b in model.buffers()], None)
+    assert_same(got, eager)
+
+
+def test_concurrent_budget_change_from_another_thread():
+    model, x = _chain(n=20)
+    ref = model(x).sum()
+    stop = threading.Event()
+    with dtr.budget(None) as engine:
+
+        def fiddle():
+            sizes = ["256 KiB", "128 KiB", None, "96 KiB"]
+            i = 0
+            while not stop.is_set():
+                try:
+                    engine.budget = sizes[i % len(sizes)]
+                except dtr.OutOfBudgetError:
+                    pass
+                i += 1
+
+        t = threading.Thread(target=fiddle)
+        t.start()
+        try:
+            out = None
+            for _ in range(5):
+                out = model(x).sum()
+        finally:
+            stop.set()
+            t.join()
+        engine.budget = None
+        engine.check_invariants()
+        out = dtr.materialize(out)  # recomputed here if the other thread's budgets evicted it
+    assert torch.equal(out, ref)
