@@ -104,7 +104,7 @@ class Driver:
         if isinstance(a, _Tensor):
             if type(a) is DTRTensor:
                 return self._value_of(a)
-            if a.requires_grad and a.is_leaf and id(a) not in self.hooks:
+            if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
                 self._hook(a)
             return a
         if type(a) in (list, tuple):
@@ -209,7 +209,7 @@ class Driver:
                         targs[i] = None
                         continue
                     a = targs[i] = self._value_of(a)
-                elif a.requires_grad and a.is_leaf and id(a) not in self.hooks:
+                elif a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
                     self._hook(a)
                 consts.append(a)
             elif type(a) in (list, tuple) and a:
@@ -436,7 +436,8 @@ class Driver:
 
     def _hook(self, leaf: torch.Tensor) -> None:
         """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
-        engine-owned tensors (feasibility Q1)."""
+        engine-owned tensors (feasibility Q1). Views of leaves (``w.t()`` built in backward is a
+        leaf view that requires grad) never accumulate gradients and get no hook."""
 
         def plain_grad(param: torch.Tensor) -> None:
             g = param.grad

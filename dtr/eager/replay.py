@@ -27,6 +27,7 @@ from dtr.errors import DTRError
 __all__ = ["Call", "flat", "fill", "replay", "derive"]
 
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class Call:
@@ -116,10 +117,15 @@ def derive(cell, root_value: torch.Tensor) -> torch.Tensor:
 
 
 def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
-    """Run ``rec`` again (see module docstring). Returns output values and cost in seconds."""
+    """Run ``rec`` again (see module docstring). Returns output values and cost in seconds.
+
+    A replay runs where the original kernel ran: below autograd (a replay can be triggered
+    from outside dispatch: a hook, ``dtr.materialize``, autograd unpacking a saved tensor) and
+    under the recorded grad mode, for every kernel it calls, view derivations included.
+    """
     p = rec.payload
     inputs = rec.inputs
-    with _no_python_dispatch():
+    with _no_python_dispatch(), _below_autograd(), torch.set_grad_enabled(p.grad):
         clones = [_clone_root(inputs[m].value) for m in range(p.versions)]
         if p.derive:
             deriv = p.derive
@@ -144,9 +150,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
                     "(e.g. from another thread or under torch.no_grad() with .data). Modify "
                     "such tensors only between blocks, or through ordinary in-place ops."
                 )
-        ctx_rng = rng.restored(p.rng) if p.rng is not None else contextlib.nullcontext()
-        ctx_grad = torch.set_grad_enabled(p.grad) if p.grad != torch.is_grad_enabled() else contextlib.nullcontext()
-        with ctx_rng, ctx_grad:
+        with rng.restored(p.rng) if p.rng is not None else contextlib.nullcontext():
             t0 = perf_counter()
             out = p.func(*args, **kw)
             seconds = perf_counter() - t0
