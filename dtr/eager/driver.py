@@ -42,11 +42,18 @@ _VIEW = Kind.VIEW
 _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_FIRST = (0,)
 
 
 def _key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (shared by all its views)."""
-    return t.untyped_storage()._cdata
+    """Identity of the tensor a view was taken from (itself if it is not a view).
+
+    Cheaper than asking for its storage (measured: the storage lookup was a tenth of the
+    per-op cost). A write through an alias autograd does not know (``p.data``) is not matched
+    here; the version check at replay then refuses to recompute from the changed tensor.
+    """
+    b = t._base
+    return id(t if b is None else b)
 
 
 class Driver:
@@ -58,9 +65,9 @@ class Driver:
     def __init__(self, budget: Optional[int], heuristic, estimate: bool) -> None:
         self.rt = Runtime(budget, heuristic, self)
         self.estimate = estimate
-        self.const_uses: Dict[int, int] = {}  # storage key -> live records reading it
-        self.const_bytes: Dict[int, int] = {}  # storage key -> bytes, for Stats.constant_bytes
-        self.external: Dict[int, Any] = {}  # storage key -> EXTERNAL storage handed out
+        self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
+        self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
+        self.external: Dict[int, Any] = {}  # _key -> EXTERNAL storage handed out
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
@@ -250,6 +257,9 @@ class Driver:
             rt.unlock(inputs)
             raise
 
+        if facts.simple and isinstance(out, _Tensor):
+            return self._one_output(facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v)
+
         # -- register outputs ---------------------------------------------------------------
         fresh = []
         fresh_pos = []
@@ -324,6 +334,35 @@ class Driver:
             res.append(w)
         return tuple(res)
 
+    def _one_output(self, facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v):
+        """Registration for the common case (``facts.simple``): one new tensor, no writes.
+        The general path below handles it too; this one skips its bookkeeping (measured:
+        about a third of the per-op cost on small ops)."""
+        rt = self.rt
+        c = _returned_input(out, inputs, consts)
+        if c is not None:
+            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+            return make_wrapper(out, rt, c)
+        nbytes = out.untyped_storage().nbytes()
+        if self.estimate:
+            seconds = estimate_seconds(func, args_v, kw_v, (out,))
+        rec = OpRecord(facts.name, inputs, None, seconds)
+        if not nbytes:
+            rt.complete(rec, (), ())
+            return out
+        call = rec.payload = Call(func, targs, tkw, tuple(slots), grad)
+        call.rng = state
+        call.fresh = _FIRST
+        try:
+            (cell,) = rt.complete(rec, (), ((nbytes, out, None),))
+        except BaseException:
+            if state is not None:
+                _restore_program_rng(state)
+            raise
+        if consts:
+            call.consts = self._use_constants(consts, call)
+        return make_wrapper(out, rt, cell)
+
     def _scan_list(self, seq, where, inputs, slots, consts):
         rt = self.rt
         out = list(seq)
@@ -366,16 +405,17 @@ class Driver:
 
     def _use_constants(self, consts: List[torch.Tensor], call: Call) -> tuple:
         uses = self.const_uses
-        seen = self.const_bytes
         info = []
         for t in consts:
-            if t.layout is not torch.strided:
-                continue
-            st = t.untyped_storage()
-            key = st._cdata
-            uses[key] = uses.get(key, 0) + 1
-            if key not in seen:
-                seen[key] = st.nbytes()
+            b = t._base
+            key = id(t if b is None else b)
+            n = uses.get(key)
+            if n is None:
+                uses[key] = 1
+                if key not in self.const_bytes and t.layout is torch.strided:
+                    self.const_bytes[key] = t.untyped_storage().nbytes()
+            else:
+                uses[key] = n + 1
             info.append((key, t, t._version))
         return tuple(info)
 

@@ -68,6 +68,7 @@ class OpFacts:
         "functional",
         "plain_outputs",
         "placeholder",
+        "simple",
     )
 
     def __init__(self, func) -> None:
@@ -86,6 +87,7 @@ class OpFacts:
         self.functional = None  # out-of-place twin of an INPLACE_VIEW op
         self.plain_outputs: Tuple[int, ...] = ()  # flat output positions returned unwrapped
         self.placeholder = False  # returns uninitialized memory (see _PLACEHOLDERS)
+        self.simple = False  # the common case: writes nothing, returns one new tensor
 
     def __repr__(self) -> str:
         return f"OpFacts({self.name}, {self.kind.name})"
@@ -201,6 +203,8 @@ def _compute(func) -> OpFacts:
         f.kind = Kind.VIEW
         f.view_of = 0
         f.returns = tuple((VIEW, is_list, (0, None)) for _, is_list, _ in returns)
+    elif f.returns == ((FRESH, False, None),) and not f.plain_outputs and not f.placeholder:
+        f.simple = True
     elif any(k == VIEW for k, _, _ in returns):
         views = {key for k, _, key in returns if k == VIEW}
         if all(k == VIEW for k, _, _ in returns) and len(views) == 1:

@@ -76,6 +76,16 @@ def _noop(storage: Storage) -> None:
     pass
 
 
+def _add_view(s: Storage, c: Cell) -> None:
+    """Remember a defined view cell of ``s`` (weakly), so that eviction can undefine it."""
+    views = s.views
+    if not views:
+        views = s.views = []
+    views.append(weakref.ref(c))
+    if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
+        views[:] = [w for w in views if w() is not None]
+
+
 def _deepest(cells: List[Cell]) -> Cell:
     """The missing input whose recomputation looks deepest: the most missing inputs of its
     own parent (one level of lookahead; Note [Order of rematerialization])."""
@@ -210,7 +220,7 @@ class Runtime:
                 self._translate(c)
                 c2 = c.forward
                 c2.value = c.value
-                s2.views.append(weakref.ref(c2))
+                _add_view(s2, c2)
 
     # ------------------------------------------------------------------ ops
 
@@ -277,7 +287,6 @@ class Runtime:
         """
         try:
             now = self.clock = self.clock + 1
-            self.counters.ops += 1
             outs: List[Optional[Cell]] = []
             new: List[Storage] = []
             for s, value in mutated:
@@ -335,17 +344,23 @@ class Runtime:
     def _wire(self, rec: OpRecord, new: List[Storage], now: int) -> None:
         """Add the dependency edges of a completed record."""
         rec.live = len(new)
-        for c in rec.inputs:
+        inputs = rec.inputs
+        for c in inputs:
             c.storage.last_access = now
         if not rec.live or not rec.replayable:
             # A view op's outputs live and die with the base's storage; a record that is never
             # replayed needs none of its inputs.
             return
-        ins = tuple(dict.fromkeys([c.storage for c in rec.inputs]))
+        if len(inputs) == 1:
+            ins: tuple = (inputs[0].storage,)
+        else:
+            ins = tuple(dict.fromkeys([c.storage for c in inputs]))
         rec.use_storages = ins
         for s in ins:
             s.uses += 1
             deps = s.dependents
+            if not deps:
+                deps = s.dependents = {}
             for t in new:
                 deps[t] = None
 
@@ -361,10 +376,7 @@ class Runtime:
     @staticmethod
     def _new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
         c = Cell(s, rec, index, value)
-        views = s.views
-        views.append(weakref.ref(c))
-        if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
-            views[:] = [w for w in views if w() is not None]
+        _add_view(s, c)
         return c
 
     # ------------------------------------------------------------------ rematerialization
@@ -465,7 +477,7 @@ class Runtime:
                 cell.value = v
             elif state is RESIDENT or state is EXTERNAL:
                 cell.value = v
-                s.views.append(weakref.ref(cell))
+                _add_view(s, cell)
             s.last_access = now
         for s in rec.use_storages:
             s.last_access = now
@@ -548,7 +560,7 @@ class Runtime:
             c = w()
             if c is not None:
                 c.value = None
-        s.views = []
+        s.views = ()
 
     def _out_of_budget(self, target: int, opname: str) -> OutOfBudgetError:
         locked = unrecomputable = 0
@@ -578,13 +590,27 @@ class Runtime:
                 self.memory -= s.nbytes
             s.state = RELEASED
             del self._all[s]
-            self._drop_values(s)
             self._on_release(s)
-            rec = s.root.parent
-            s.root.parent = None
+            root = s.root
+            rec = root.parent
+            root.value = root.parent = None
+            if s.forward is None:
+                # Nothing can still resolve through ``s``: break the cycles (storage <-> root,
+                # record <-> view cells) so that reference counting frees all of it now,
+                # instead of the cyclic collector later. An old version keeps its view chain:
+                # references to it are translated lazily to the newest version.
+                for w in s.views:
+                    c = w()
+                    if c is not None:
+                        c.value = c.parent = None
+                s.root = None  # type: ignore[assignment]
+            else:
+                self._drop_values(s)
+            s.views = ()
             if rec is not None:
                 for i in rec.use_storages:
-                    i.dependents.pop(s, None)
+                    if i.dependents:
+                        i.dependents.pop(s, None)
                 self._lose_output(rec, work)
 
     def _lose_output(self, rec: OpRecord, work: list) -> None:
@@ -606,7 +632,8 @@ class Runtime:
             return
         s.root.parent = None
         for i in rec.use_storages:
-            i.dependents.pop(s, None)
+            if i.dependents:
+                i.dependents.pop(s, None)
         work: list = []
         self._lose_output(rec, work)
         for i in work:
@@ -718,7 +745,7 @@ class Runtime:
             if rec is not None:
                 assert rec.live > 0, f"{rec} is the parent of {s} but counts no live output"
                 for i in rec.use_storages:
-                    assert s in i.dependents, f"{s} is missing from the dependents of {i}"
+                    assert i.dependents and s in i.dependents, f"{s} is missing from the dependents of {i}"
         counted: dict = {}
         for s in self._all:
             rec = s.root.parent

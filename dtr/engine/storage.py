@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 __all__ = ["State", "Storage", "Cell", "OpRecord"]
 
@@ -88,9 +88,11 @@ class Storage:
         self.root: Cell = None  # type: ignore[assignment]  # set right after construction
         # Weak references to view cells that may hold values; cleared on eviction. Weak,
         # because a view cell nobody refers to any more must not be kept alive by its storage.
-        self.views: List[weakref.ref] = []
+        # Both containers start as an empty tuple and become a list / dict on first use: most
+        # storages never get a view, and fewer objects per op is less work for the GC.
+        self.views: Union[tuple, List[weakref.ref]] = ()
         # Storages whose parent op reads this one (insertion-ordered, for determinism).
-        self.dependents: dict = {}
+        self.dependents: Union[tuple, dict] = ()
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
 

@@ -12,7 +12,6 @@ class Counters:
     """Monotone event counts of one runtime (one ``dtr.budget`` block)."""
 
     __slots__ = (
-        "ops",
         "evictions",
         "eager_evictions",
         "rematerializations",
@@ -21,7 +20,6 @@ class Counters:
     )
 
     def __init__(self) -> None:
-        self.ops = 0
         self.evictions = 0
         self.eager_evictions = 0
         self.rematerializations = 0

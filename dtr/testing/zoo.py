@@ -138,6 +138,8 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied, as in GPT-2
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)  # GPT-2's init; N(0, 1) would blow up the logits
 
     def forward(self, idx):
         t = idx.shape[1]
