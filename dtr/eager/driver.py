@@ -95,6 +95,8 @@ class Driver:
             elif kind is Kind.UNSUPPORTED:
                 self._unsupported(facts, args, kwargs)
                 return self.passthrough(func, args, kwargs)
+            if facts.simple and not kwargs:
+                return self._run_simple(facts, func, args)
             return self._run(facts, func, args, kwargs)
 
     def passthrough(self, func, args, kwargs):
@@ -334,18 +336,66 @@ class Driver:
             res.append(w)
         return tuple(res)
 
+    def _run_simple(self, facts, func, args):
+        """``_run`` for the common case: an op of ``facts.simple`` called without keyword
+        arguments on tensors that are all defined, none in a list. It scans and unwraps the
+        arguments in one pass; anything else goes to ``_run``, which handles every case."""
+        rt = self.rt
+        inputs: List[Any] = []
+        slots = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        vals = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                if type(a) is DTRTensor:
+                    ref = a._dtr
+                    c = ref.cell
+                    s = c.storage
+                    if s.forward is not None:
+                        c = ref.cell = rt.resolve(c)
+                        s = c.storage
+                    if s.runtime is not rt or c.value is None:
+                        return self._run(facts, func, args, {})
+                    slots.append((i, -1, len(inputs)))
+                    inputs.append(c)
+                    targs[i] = None
+                    vals[i] = c.value
+                    continue
+                if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
+                    self._hook(a)
+                consts.append(a)
+            elif type(a) in (list, tuple) and a:
+                return self._run(facts, func, args, {})
+        for c in inputs:
+            c.storage.locks += 1
+        try:
+            state = rng.capture(vals, {}) if facts.random else None
+            grad = torch.is_grad_enabled()
+            t0 = perf_counter()
+            out = func(*vals)
+            seconds = perf_counter() - t0
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        return self._one_output(facts, func, out, inputs, consts, targs, None, slots, state, grad, seconds, vals, {})
+
     def _one_output(self, facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v):
         """Registration for the common case (``facts.simple``): one new tensor, no writes.
         The general path below handles it too; this one skips its bookkeeping (measured:
         about a third of the per-op cost on small ops)."""
         rt = self.rt
-        c = _returned_input(out, inputs, consts)
+        try:
+            c = _returned_input(out, inputs, consts)
+            nbytes = out.untyped_storage().nbytes()
+            if self.estimate:
+                seconds = estimate_seconds(func, args_v, kw_v, (out,))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
         if c is not None:
             rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
             return make_wrapper(out, rt, c)
-        nbytes = out.untyped_storage().nbytes()
-        if self.estimate:
-            seconds = estimate_seconds(func, args_v, kw_v, (out,))
         rec = OpRecord(facts.name, inputs, None, seconds)
         if not nbytes:
             rt.complete(rec, (), ())
