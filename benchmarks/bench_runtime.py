@@ -1,0 +1,519 @@
+"""Runtime overhead of dtr on CPU: engine work per op, and training-step wall time vs eager.
+
+Two sections (the runtime issue's benchmark):
+
+1. ``small``: loops of small ops on 64x64 float32 tensors (elementwise ops, matmul + tanh, and
+   a matmul + tanh chain with forward and backward), timed eagerly, under a trivial
+   ``TorchDispatchMode`` that only calls ``func(*args, **kwargs)`` (PyTorch's Python-dispatch
+   floor; ``passthrough_raw`` is the same mode without the ``torch._disable_dynamo`` wrapper
+   torch puts around every mode's ``__torch_dispatch__``), and under ``dtr.budget(None)``
+   (tracking, no eviction). Engine work per op is
+   ``(dtr - eager) / engine.stats().ops``; "beyond floor" is ``(dtr - passthrough) / ops``,
+   dtr's own bookkeeping. Target: <= 20 us of engine work per op.
+2. ``models``: one training step (forward + ``loss.backward()`` inside the block) of each model
+   of ``dtr.testing.zoo`` at its "bench" preset, eagerly, under the pass-through mode, under
+   ``dtr.budget(None)``, and under ``dtr.budget(f x peak)`` for each ``--fractions`` f, where
+   peak is the unlimited run's ``stats().peak_resident_bytes``. Default (measured) cost model.
+   Target: <= 1.10x eager with an unlimited budget on ``mlp`` and ``transformer``.
+
+    python benchmarks/bench_runtime.py                         # both sections, appends JSON rows
+    python benchmarks/bench_runtime.py --models mlp transformer --repeats 3 --fractions 0.5 0.3
+    python benchmarks/bench_runtime.py --sections small --profile   # + cProfile of the hot path
+
+Every time is the median of ``--repeats`` runs after untimed warm-up runs; the modes of one
+workload take turns run by run, so that load from other processes hits them alike. Wall and
+CPU (``time.process_time``) times are both kept: on a shared machine other processes stretch
+wall time, not CPU time. PyTorch runs with ``--threads`` intra-op threads (1 by default: with
+2 threads on a 2-core machine that other work shares, OpenMP barriers make eager timings swing
+by up to 10x). A step that raises ``dtr.OutOfBudgetError`` (or any error) is recorded with that
+status; one that runs past ``--time-limit`` seconds is interrupted (SIGALRM) and recorded as
+``timeout``, with where it was (innermost dtr frame) and the engine's eviction and remat
+counts so far (still climbing: it thrashes), and its mode is dropped for that model; rows keep
+the medians of the runs that finished before.
+
+Rows go to ``benchmarks/results/runtime.jsonl``, one JSON object per line and measurement:
+commit, machine, torch version, threads, section, model, mode, budget_bytes, median_ms,
+min_ms, cpu_ms, ratio (to eager, wall), cpu_ratio, us_per_op (extra wall time over eager per
+intercepted op), ops, evictions, eager_evictions, remats, remat_ms, peak_bytes, status,
+repeats, and the 1-minute load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import signal
+import statistics
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dtr
+from dtr.testing.step import run_step
+from dtr.testing.zoo import MODELS, build
+
+RESULTS = Path(__file__).parent / "results" / "runtime.jsonl"
+TARGET_US_PER_OP = 20.0
+TARGET_RATIO = 1.10
+TARGET_MODELS = ("mlp", "transformer")
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | Python {platform.python_version()}"
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------ running
+
+
+class PassThrough(TorchDispatchMode):
+    """The Python-dispatch floor: a mode that runs every op as it is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class RawPassThrough(PassThrough):
+    """The same without the ``torch._disable_dynamo`` wrapper torch puts around every mode's
+    ``__torch_dispatch__`` (private opt-out), to show what that wrapper costs."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops a mode sees (run untimed, to label the pass-through rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class RunTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise RunTimeout(_where(frame))
+
+
+def _where(frame) -> str:
+    """Where a run was interrupted: the innermost dtr frame and the engine's counters then
+    (evictions and remats still climbing say it thrashes rather than hangs)."""
+    rt, place = None, None
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if rt is None and owner is not None:
+            rt = owner if hasattr(owner, "counters") else getattr(owner, "rt", None)
+        if place is None and f"{os.sep}dtr{os.sep}" in frame.f_code.co_filename:
+            path = frame.f_code.co_filename
+            place = f"{path[path.rindex(os.sep + 'dtr' + os.sep) + 1:]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    parts = [f"in {place}"] if place else []
+    if rt is not None and hasattr(rt, "counters"):
+        c = rt.counters
+        parts.append(f"{c.evictions} evictions, {c.rematerializations} remats so far")
+    return "; ".join(parts)
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Interrupt the enclosed code with ``RunTimeout`` after ``seconds`` (0: no limit)."""
+    if not seconds or not hasattr(signal, "setitimer"):
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Outcome:
+    """One run: wall and CPU seconds, the engine's stats (dtr modes), or why it failed."""
+
+    def __init__(self, wall=None, cpu=None, stats=None, ops=None, status="ok") -> None:
+        self.wall, self.cpu, self.stats, self.ops, self.status = wall, cpu, stats, ops, status
+
+
+def timed(fn: Callable[[], Optional[dtr.Stats]], limit: float) -> Outcome:
+    """Run ``fn`` once under the time limit; ``fn`` returns the engine's stats or None."""
+    gc.collect()
+    try:
+        with time_limit(limit):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            stats = fn()
+            wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    except RunTimeout as e:
+        return Outcome(status=f"timeout after {limit:g} s ({e})" if str(e) else f"timeout after {limit:g} s")
+    except dtr.OutOfBudgetError:
+        return Outcome(status="OutOfBudgetError")
+    except Exception as e:  # record, don't crash the benchmark
+        return Outcome(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    return Outcome(wall, cpu, stats, stats.ops if stats is not None else None)
+
+
+class Series:
+    """The runs of one (workload, mode)."""
+
+    def __init__(self, mode: str, fn: Callable[[], Optional[dtr.Stats]], budget=None) -> None:
+        self.mode, self.fn, self.budget = mode, fn, budget
+        self.runs: List[Outcome] = []
+        self.status = "ok"
+        self.ops: Optional[int] = None
+        self.last: Optional[Outcome] = None
+
+    def run(self, limit: float, keep: bool = True) -> bool:
+        o = timed(self.fn, limit)
+        if o.status != "ok":
+            self.status = o.status
+            return False
+        self.last = o
+        if keep:
+            self.runs.append(o)
+        if o.ops is not None:
+            self.ops = o.ops
+        return True
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def median(self, attr: str) -> Optional[float]:
+        vals = [getattr(r, attr) for r in self.runs]
+        return statistics.median(vals) if vals else None
+
+    def stat(self, name: str) -> Optional[int]:
+        vals = [getattr(r.stats, name) for r in self.runs if r.stats is not None]
+        return statistics.median_low(vals) if vals else None
+
+
+def measure(series: List[Series], warmup: int, repeats: int, limit: float) -> None:
+    """Warm up each series, then time them taking turns; a failing series stops running."""
+    for s in series:
+        for _ in range(warmup):
+            if not s.run(limit, keep=False):
+                break
+    for _ in range(repeats):
+        for s in series:
+            if s.ok:
+                s.run(limit)
+
+
+# ------------------------------------------------------------------------------ small ops
+
+
+def small_workloads(n: int, size: int = 64) -> Dict[str, Callable[[], None]]:
+    """Loops of about ``n`` forward ops each on ``size`` x ``size`` float32 tensors."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(size, size, generator=g)
+    w = torch.randn(size, size, generator=g) / size**0.5
+    ws = [(torch.randn(size, size, generator=g) / size**0.5).requires_grad_() for _ in range(n // 2)]
+
+    def elementwise():  # mul, add
+        y = x
+        for _ in range(n // 2):
+            y = y * 0.5 + x
+
+    def matmul():  # mm, tanh
+        y = x
+        for _ in range(n // 2):
+            y = torch.tanh(y @ w)
+
+    def matmul_fwd_bwd():  # mm, tanh per layer; then the backward ops
+        for p in ws:
+            p.grad = None
+        y = x
+        for p in ws:
+            y = torch.tanh(y @ p)
+        y.sum().backward()
+
+    return {"elementwise": elementwise, "matmul": matmul, "matmul_fwd_bwd": matmul_fwd_bwd}
+
+
+def small_series(fn: Callable[[], None]) -> List[Series]:
+    def eager():
+        fn()
+
+    def passthrough():
+        with PassThrough():
+            fn()
+
+    def raw():
+        with RawPassThrough():
+            fn()
+
+    def unlimited():
+        with dtr.budget(None) as engine:
+            fn()
+        return engine.stats()
+
+    return [Series("eager", eager), Series("passthrough", passthrough), Series("passthrough_raw", raw),
+            Series("dtr_unlimited", unlimited)]
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    with CountOps() as mode:
+        fn()
+    return mode.ops
+
+
+def run_small(args, base, out) -> None:
+    print(f"\n## engine work per op: loops of small ops on 64x64 float32 (target <= {TARGET_US_PER_OP:g} us/op)")
+    print("(us/op: extra wall time over eager per intercepted op; floor: a mode that only calls func, "
+          "raw: the same without torch's _disable_dynamo wrapper;\n beyond floor: (dtr - passthrough) / ops, "
+          "dtr's own bookkeeping; cpu: the same from process CPU time)")
+    print(f"{'workload':<15} {'ops':>6} {'eager ms':>9} {'pass ms':>9} {'dtr ms':>9} {'eager us/op':>11} "
+          f"{'floor us/op':>11} {'raw us/op':>9} {'dtr us/op':>10} {'beyond floor':>12} {'dtr cpu us/op':>13}  target")
+    for name, fn in small_workloads(args.small_ops).items():
+        eager, passthrough, raw, unlimited = series = small_series(fn)
+        eager.ops = passthrough.ops = raw.ops = count_ops(fn)
+        measure(series, args.warmup, args.small_repeats, args.time_limit)
+        e_wall, e_cpu = eager.median("wall"), eager.median("cpu")
+        for s in series:
+            row = {**base, "load": round(os.getloadavg()[0], 2), "section": "small", "model": name, "mode": s.mode,
+                   "budget_bytes": None, "size": 64, "ops": s.ops, "status": s.status, "repeats": len(s.runs),
+                   "median_ms": _r(s.median("wall"), 1e3), "cpu_ms": _r(s.median("cpu"), 1e3),
+                   "min_ms": _r(min(r.wall for r in s.runs), 1e3) if s.runs else None}
+            if s.ok and s is not eager and s.ops:
+                row["ratio"] = round(s.median("wall") / e_wall, 3)
+                row["cpu_ratio"] = round(s.median("cpu") / e_cpu, 3)
+                row["us_per_op"] = _r((s.median("wall") - e_wall) / s.ops, 1e6)
+                row["cpu_us_per_op"] = _r((s.median("cpu") - e_cpu) / s.ops, 1e6)
+            if s is unlimited and s.ok:
+                row["us_per_op_beyond_floor"] = _r((s.median("wall") - passthrough.median("wall")) / s.ops, 1e6)
+                row.update(_stats_fields(s))
+            out.write(json.dumps(row) + "\n")
+        if not all(s.ok for s in series):
+            print(f"{name:<15} " + "  ".join(f"{s.mode}: {s.status}" for s in series))
+            continue
+        ops = unlimited.ops
+        dtr_us = (unlimited.median("wall") - e_wall) / ops * 1e6
+        print(f"{name:<15} {ops:>6} {e_wall * 1e3:>9.2f} {passthrough.median('wall') * 1e3:>9.2f} "
+              f"{unlimited.median('wall') * 1e3:>9.2f} {e_wall / eager.ops * 1e6:>11.2f} "
+              f"{(passthrough.median('wall') - e_wall) / passthrough.ops * 1e6:>11.2f} "
+              f"{(raw.median('wall') - e_wall) / raw.ops * 1e6:>9.2f} {dtr_us:>10.2f} "
+              f"{(unlimited.median('wall') - passthrough.median('wall')) / ops * 1e6:>12.2f} "
+              f"{(unlimited.median('cpu') - e_cpu) / ops * 1e6:>13.2f}  "
+              f"{'met' if dtr_us <= TARGET_US_PER_OP else 'NOT met'}", flush=True)
+
+
+def profile_small(args) -> None:
+    """cProfile of the dtr runs of the small-op loops: where the engine's time goes."""
+    fns = small_workloads(args.small_ops)
+    for fn in fns.values():  # warm caches
+        with dtr.budget(None):
+            fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.small_repeats):
+        for fn in fns.values():
+            with dtr.budget(None):
+                fn()
+    prof.disable()
+    for sort, title in (("tottime", "total (own) time"), ("cumulative", "cumulative time")):
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(sort)
+        print(f"\n## cProfile, dtr_unlimited on the small-op loops, all functions, top {args.profile_lines} by {title}")
+        st.print_stats(args.profile_lines)
+        print(_trim_pstats(buf.getvalue()))
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).sort_stats(sort)
+        print(f"## ... only dtr/eager/driver.py and dtr/engine/runtime.py, top {args.profile_lines} by {title}")
+        st.print_stats(r"dtr/(eager/driver|engine/runtime)\.py", args.profile_lines)
+        print(_trim_pstats(buf.getvalue(), strip=str(Path(dtr.__file__).parent.parent) + os.sep))
+
+
+def _trim_pstats(text: str, strip: str = "") -> str:
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("ncalls")), 0)
+    return "\n".join(line.replace(strip, "") for line in lines[max(0, start - 2):] if line.strip())
+
+
+# ------------------------------------------------------------------------------ models
+
+
+def model_series(name: str, fractions: List[float]) -> List[Series]:
+    """eager, pass-through, unlimited, then one series per fraction (budget set later)."""
+    w = build(name, "bench")
+    model = w.model
+
+    def eager():
+        run_step(w, model, "eager")
+
+    def passthrough():
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        with PassThrough():
+            loss = w.loss_fn(model, w.batch)
+            loss.backward()
+
+    def under(budget):
+        return lambda: run_step(w, model, budget).stats
+
+    series = [Series("eager", eager), Series("passthrough", passthrough), Series("dtr_unlimited", under(None))]
+    series[1].count = passthrough
+    for f in fractions:
+        s = Series(f"dtr_{f:g}x_peak", None)
+        s.fraction, s.under = f, under
+        series.append(s)
+    return series
+
+
+def run_models(args, base, out) -> None:
+    print(f"\n## one training step (forward + backward), zoo 'bench' presets; "
+          f"target <= {TARGET_RATIO:.2f}x eager unlimited on {' and '.join(TARGET_MODELS)}")
+    print("(ratio: median wall time / eager's; cpu ratio: the same from process CPU time; us/op: extra wall time "
+          "over eager per intercepted op)")
+    print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} "
+          f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9}  status")
+    for name in args.models:
+        every = model_series(name, args.fractions)
+        eager, unlimited, fixed = every[0], every[2], every[3:]
+        try:  # untimed: the pass-through rows' op count
+            with CountOps() as counter:
+                every[1].count()
+            every[1].ops = counter.ops
+        except Exception:
+            pass
+        # Warm up eager, pass-through and unlimited first: the budgets are fractions of the
+        # unlimited run's peak (at least one untimed unlimited run, even with --warmup 0).
+        for s in every[:3]:
+            for _ in range(max(args.warmup, 1 if s is unlimited else 0)):
+                if not s.run(args.time_limit, keep=False):
+                    break
+        for s in fixed:
+            if not unlimited.ok:
+                s.status = f"skipped (dtr_unlimited: {unlimited.status})"
+                continue
+            s.budget = int(s.fraction * unlimited.last.stats.peak_resident_bytes)
+            s.fn = s.under(s.budget)
+            for _ in range(args.warmup):
+                if not s.run(args.time_limit, keep=False):
+                    break
+        for _ in range(args.repeats):
+            for s in every:
+                if s.ok:
+                    s.run(args.time_limit)
+        e_wall = eager.median("wall")
+        for s in every:
+            wall = s.median("wall")
+            status = s.status if s.ok or not s.runs else f"{s.status} (after {len(s.runs)} runs)"
+            row = {**base, "load": round(os.getloadavg()[0], 2), "section": "models", "model": name, "mode": s.mode,
+                   "budget_bytes": s.budget, "status": status, "repeats": len(s.runs), "median_ms": _r(wall, 1e3),
+                   "cpu_ms": _r(s.median("cpu"), 1e3), "ops": s.ops}
+            if s.runs:
+                row["min_ms"] = _r(min(r.wall for r in s.runs), 1e3)
+            if wall is not None and e_wall:
+                row["ratio"] = round(wall / e_wall, 3)
+                row["cpu_ratio"] = round(s.median("cpu") / eager.median("cpu"), 3)
+                if s.ops:
+                    row["us_per_op"] = _r((wall - e_wall) / s.ops, 1e6)
+            row.update(_stats_fields(s))
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(_model_line(row), flush=True)
+
+
+def _stats_fields(s: Series) -> dict:
+    if not any(r.stats is not None for r in s.runs):
+        return {}
+    return {"evictions": s.stat("evictions"), "eager_evictions": s.stat("eager_evictions"),
+            "remats": s.stat("rematerializations"), "peak_bytes": s.stat("peak_resident_bytes"),
+            "remat_ms": _r(statistics.median(r.stats.remat_seconds for r in s.runs), 1e3)}
+
+
+def _model_line(row: dict) -> str:
+    def f(key, fmt, scale=1):
+        v = row.get(key)
+        return format(v * scale, fmt) if v is not None else "-"
+
+    target = ""
+    if row["model"] in TARGET_MODELS and row["mode"] == "dtr_unlimited" and row.get("ratio") is not None:
+        target = "  target " + ("met" if row["ratio"] <= TARGET_RATIO else "NOT met")
+    return (f"{row['model']:<12} {row['mode']:<16} {f('budget_bytes', '.1f', 2**-20):>10} "
+            f"{f('median_ms', '.1f'):>10} {f('cpu_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('cpu_ratio', '.2f'):>9} "
+            f"{f('us_per_op', '.1f'):>7} {f('ops', 'd'):>6} {f('evictions', 'd'):>6} {f('remats', 'd'):>6} "
+            f"{f('peak_bytes', '.1f', 2**-20):>9}  {row['status']}{target}")
+
+
+def _r(v: Optional[float], scale: float) -> Optional[float]:
+    return None if v is None else round(v * scale, 3)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", nargs="+", choices=["small", "models"], default=["small", "models"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.5],
+                        help="budgets as fractions of the unlimited run's peak resident bytes")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per model and mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per workload and mode first")
+    parser.add_argument("--small-ops", type=int, default=1000, help="forward ops per small-op loop")
+    parser.add_argument("--small-repeats", type=int, default=15)
+    parser.add_argument("--time-limit", type=float, default=30.0,
+                        help="seconds one run may take before it is interrupted and recorded as a timeout (0: none)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--profile", action="store_true", help="also print cProfile tables of the small-op loops")
+    parser.add_argument("--profile-lines", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    base = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "threads": args.threads}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    print(f"# {base['machine']}  torch {base['torch']}  threads {args.threads}  commit {base['commit']}  "
+          f"load {os.getloadavg()[0]:.2f}")
+    with args.out.open("a") as out:
+        if "small" in args.sections:
+            run_small(args, base, out)
+        if "models" in args.sections:
+            run_models(args, base, out)
+    if args.profile:
+        profile_small(args)
+    print(f"\n# done in {time.perf_counter() - start:.0f} s, load {os.getloadavg()[0]:.2f}; "
+          f"rows appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
