@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from dtr.planner import HAS_NATIVE, Chain, simulate, solve, store_all
+
+from provenance import commit, machine
 
 RESULTS = Path(__file__).parent / "results" / "planner.jsonl"
 
@@ -39,25 +39,6 @@ def synthetic_chain(L: int, seed: int = 0) -> Chain:
     return Chain([rng.uniform(1, 5) for _ in range(L)], [rng.uniform(2, 10) for _ in range(L)], out,
                  [v + rng.randint(0, 100) for v in out], [rng.randint(0, 20) for _ in range(L)],
                  [rng.randint(0, 50) for _ in range(L)], 50)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | Python {platform.python_version()}"
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_solve(chain: Chain, backend: str, repeats: int, **kwargs) -> tuple:

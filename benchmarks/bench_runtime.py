@@ -46,11 +46,9 @@ import gc
 import io
 import json
 import os
-import platform
 import pstats
 import signal
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,29 +61,12 @@ import dtr
 from dtr.testing.step import run_step
 from dtr.testing.zoo import MODELS, build
 
+from provenance import commit, machine
+
 RESULTS = Path(__file__).parent / "results" / "runtime.jsonl"
 TARGET_US_PER_OP = 20.0
 TARGET_RATIO = 1.10
 TARGET_MODELS = ("mlp", "transformer")
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | Python {platform.python_version()}"
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------ running

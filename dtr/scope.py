@@ -133,14 +133,7 @@ class Engine:
             )
 
     def _absorb(self, driver: Driver) -> None:
-        c = driver.rt.counters
-        d = self._done
-        d["ops"] += driver.ops
-        d["evictions"] += c.evictions
-        d["eager_evictions"] += c.eager_evictions
-        d["rematerializations"] += c.rematerializations
-        d["remat_seconds"] += c.remat_cost
-        d["flushes"] += c.flushes
+        _add_counts(self._done, driver)
         self._peak = max(self._peak, driver.rt.peak)
         self._constant_bytes = sum(driver.const_bytes.values())
 
@@ -155,13 +148,7 @@ class Engine:
             rt = driver.rt
             with rt.lock:
                 rt.drain()  # count tensors the program has dropped as gone
-                c = rt.counters
-                d["ops"] += driver.ops
-                d["evictions"] += c.evictions
-                d["eager_evictions"] += c.eager_evictions
-                d["rematerializations"] += c.rematerializations
-                d["remat_seconds"] += c.remat_cost
-                d["flushes"] += c.flushes
+                _add_counts(d, driver)
                 peak = max(peak, rt.peak)
                 resident = rt.memory
                 constant = sum(driver.const_bytes.values())
@@ -183,6 +170,16 @@ class Engine:
     def __repr__(self) -> str:
         state = "active" if self._driver is not None else "inactive"
         return f"<dtr.Engine budget={self._budget} heuristic={self._heuristic!r} {state}>"
+
+
+def _add_counts(totals: dict, driver: Driver) -> None:
+    c = driver.rt.counters
+    totals["ops"] += driver.ops
+    totals["evictions"] += c.evictions
+    totals["eager_evictions"] += c.eager_evictions
+    totals["rematerializations"] += c.rematerializations
+    totals["remat_seconds"] += c.remat_cost
+    totals["flushes"] += c.flushes
 
 
 def budget(

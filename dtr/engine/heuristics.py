@@ -23,6 +23,7 @@ touched by the current op has staleness 1 rather than 0.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable, Dict, Union
 
 from dtr.engine.storage import State, Storage
@@ -80,16 +81,7 @@ class DTREq(Heuristic):
     def score(self, s: Storage, now: int) -> float:
         cost = s.cost
         seen = None
-        for n in s.deps():
-            if n.state is _EVICTED and n.hdata is not None:
-                r = find(n.hdata)
-                if seen is None:
-                    seen = [r]
-                    cost += r.cost
-                elif r not in seen:
-                    seen.append(r)
-                    cost += r.cost
-        for n in s.dependents:
+        for n in chain(s.deps(), s.dependents):
             if n.state is _EVICTED and n.hdata is not None:
                 r = find(n.hdata)
                 if seen is None:
