@@ -351,11 +351,11 @@ class Driver:
                 if type(a) is DTRTensor:
                     ref = a._dtr
                     c = ref.cell
-                    s = c.storage
-                    if s.forward is not None:
+                    if c.storage.runtime is not rt:  # a wrapper from another block
+                        return self._run(facts, func, args, {})
+                    if c.storage.forward is not None:
                         c = ref.cell = rt.resolve(c)
-                        s = c.storage
-                    if s.runtime is not rt or c.value is None:
+                    if c.value is None:
                         return self._run(facts, func, args, {})
                     slots.append((i, -1, len(inputs)))
                     inputs.append(c)
