@@ -67,10 +67,16 @@ def test_tensors_escaping_the_block_stay_correct():
             assert torch.equal(dtr.materialize(k), r)
         kept[0].add_(1)  # in place on an escaped tensor: the program's own object changes
         assert torch.equal(kept[0], ref[0] + 1)
-    # An escaped tensor used in a later block is a constant there.
+    # An escaped tensor used in a later block is a constant there, also one that was
+    # written in place inside its own block (its engine storage has a newer version).
+    with torch.no_grad(), dtr.budget(None):
+        written = outs[-1] * 1
+        written.mul_(3)
     with dtr.budget(None):
         s = kept[-1] * 2
+        t = written * 2
     assert torch.equal(s, ref[-1] * 2)
+    assert torch.equal(t, ref[-1] * 6)
 
 
 def test_materialize_returns_plain_and_stops_charging():
