@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTRTensor", "is_dtr", "make_wrapper"]
+__all__ = ["DTRTensor", "make_wrapper"]
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _strided = torch.strided
@@ -80,10 +80,6 @@ class DTRTensor(torch.Tensor):
         from dtr.eager.materialize import materialize
 
         return materialize(self).__reduce_ex__(protocol)
-
-
-def is_dtr(x: Any) -> bool:
-    return type(x) is DTRTensor
 
 
 def make_wrapper(value: torch.Tensor, runtime, cell) -> DTRTensor:

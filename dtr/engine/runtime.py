@@ -250,13 +250,7 @@ class Runtime:
         """
         for s in storages:
             if s.uses and not s.recomputable:
-                dependents = [t.root for t in s.dependents]
-                self.acquire(dependents)
-                try:
-                    for c in dependents:
-                        self.cut(c.storage)
-                finally:
-                    self.unlock(dependents)
+                self._make_permanent([t.root for t in s.dependents])
 
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""
@@ -646,14 +640,18 @@ class Runtime:
         change) and at block exit. Raises ``OutOfBudgetError`` (with nothing cut) if they do
         not fit in the budget together.
         """
-        live = [s.root for s in self._all if s.refs > 0]
-        self.acquire(live)
+        self._make_permanent([s.root for s in self._all if s.refs > 0])
+        self.counters.flushes += 1
+
+    def _make_permanent(self, roots: List[Cell]) -> None:
+        """Make these storages resident together, then cut their lineage (or raise
+        ``OutOfBudgetError`` with nothing cut)."""
+        self.acquire(roots)
         try:
-            for c in live:
+            for c in roots:
                 self.cut(c.storage)
         finally:
-            self.unlock(live)
-        self.counters.flushes += 1
+            self.unlock(roots)
 
     def extract(self, cell: Cell) -> Any:
         """Hand ``cell``'s storage to the program: make it resident, stop charging and

@@ -133,13 +133,6 @@ class Cell:
         self.value = value
         self.forward: Optional[Cell] = None
 
-    @property
-    def base(self) -> Optional["Cell"]:
-        """The cell this view was taken from (None for a root)."""
-        if self is self.storage.root:
-            return None
-        return self.parent.inputs[0]
-
     def __repr__(self) -> str:
         kind = "root" if self is self.storage.root else "view"
         state = "defined" if self.value is not None else "undefined"
