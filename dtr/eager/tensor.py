@@ -26,6 +26,9 @@ class DTRTensor(torch.Tensor):
     tensor (detached) it currently holds.
     """
 
+    # A slot instead of the instance dict: one object less per wrapper.
+    __slots__ = ("_dtr",)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
