@@ -28,12 +28,14 @@ __all__ = [
     "Heuristic",
     "InfeasibleBudgetError",
     "OutOfBudgetError",
+    "SimResult",
     "Stats",
     "budget",
     "heuristic_names",
     "materialize",
     "planner",
     "register_heuristic",
+    "simulate",
 ]
 
 _LAZY = {
@@ -42,6 +44,8 @@ _LAZY = {
     "materialize": "dtr.eager.materialize",
     "DTRTensor": "dtr.eager.tensor",
     "HAS_NATIVE": "dtr.planner",
+    "simulate": "dtr.sim",
+    "SimResult": "dtr.sim",
 }
 
 

@@ -17,6 +17,7 @@ Note [Block lifecycle]
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Optional, Union
@@ -27,13 +28,15 @@ from dtr.config import parse_bytes
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
-from dtr.engine import Heuristic, Stats, make_heuristic
+from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
 from dtr.errors import DTRError
+from dtr.sim.record import RecordingRuntime
+from dtr.sim.trace import TraceWriter
 
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost",)
+_OPTIONS = ("cost", "trace")
 
 
 class Engine:
@@ -51,6 +54,7 @@ class Engine:
         *,
         heuristic: Union[str, Heuristic] = "dtr_eq",
         cost: str = "auto",
+        trace: Union[str, "os.PathLike[str]", None] = None,
     ) -> None:
         self._budget = parse_bytes(limit)
         make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
@@ -58,6 +62,10 @@ class Engine:
         if cost not in COST_MODES:
             raise ValueError(f"dtr.budget: cost must be one of {COST_MODES}, got {cost!r}")
         self._cost = cost
+        if trace is not None and not isinstance(trace, (str, os.PathLike)):
+            raise ValueError(f"dtr.budget: trace must be a file path, got {trace!r}")
+        self._trace = trace
+        self._traced_blocks = 0
         self._driver: Optional[Driver] = None
         self._mode: Optional[DTRMode] = None
         self._hooks: list = []
@@ -95,7 +103,10 @@ class Engine:
         if torch.compiler.is_compiling():
             raise DTRError("dtr.budget cannot be entered inside torch.compile'd code")
         heuristic = make_heuristic(self._heuristic)
-        driver = Driver(self._budget, heuristic, estimate=self._cost == "estimate")
+        runtime = Runtime
+        if self._trace is not None:
+            runtime = self._recorder(heuristic)
+        driver = Driver(self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
@@ -111,12 +122,29 @@ class Engine:
         _local.engine = self
         return self
 
+    def _recorder(self, heuristic: Heuristic):
+        """A runtime factory that records the block into the trace file: the first block
+        writes the header, later ones append."""
+        header = None
+        if not self._traced_blocks:
+            header = {
+                "heuristic": getattr(heuristic, "name", type(heuristic).__name__),
+                "cost": self._cost,
+                "budget": self._budget,
+                "meta": {"torch": torch.__version__, "device": "cpu"},
+            }
+        writer = TraceWriter(self._trace, header)
+        self._traced_blocks += 1
+        return lambda budget, h, executor: RecordingRuntime(budget, h, executor, writer)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         driver, mode = self._driver, self._mode
         try:
             mode.__exit__(exc_type, exc, tb)
             recomputed = driver.close()
         finally:
+            if isinstance(driver.rt, RecordingRuntime):
+                driver.rt.writer.close()
             for h in self._hooks:
                 h.remove()
             self._hooks = []
@@ -201,6 +229,11 @@ def budget(
         cost: "auto" (default: measured kernel time on CPU, a roofline estimate on
             accelerators, where timing would need synchronization) or "estimate" (always the
             deterministic estimate).
+        trace: a file path: record what the engine sees (ops with their inputs, outputs,
+            sizes and costs, views, in-place writes, frees) as a trace that
+            ``dtr.simulate(path, budget, heuristic)`` replays in seconds, without tensors.
+            JSON lines, gzip-compressed if the name ends in ".gz"; format in ``dtr.sim.trace``.
+            Each block of the engine is appended to the file (the first one starts it anew).
 
     Returns:
         An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.

@@ -19,6 +19,11 @@ def test_engine_does_not_import_torch():
     assert not _imports_torch("dtr.engine")
 
 
+def test_simulator_does_not_import_torch():
+    # Sweeps over recorded traces run without torch (and its import time).
+    assert not _imports_torch("dtr.sim")
+
+
 def test_planner_does_not_import_torch():
     assert not _imports_torch("dtr.planner")
 

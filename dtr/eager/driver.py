@@ -62,8 +62,9 @@ class Driver:
 
     views_alias_data = True  # torch views share their storage's memory
 
-    def __init__(self, budget: Optional[int], heuristic, estimate: bool) -> None:
-        self.rt = Runtime(budget, heuristic, self)
+    def __init__(self, budget: Optional[int], heuristic, estimate: bool, runtime=Runtime) -> None:
+        # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder)
+        self.rt = runtime(budget, heuristic, self)
         self.estimate = estimate
         self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
         self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes

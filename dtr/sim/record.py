@@ -1,0 +1,212 @@
+"""``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
+
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format]): the
+recorder logs each call the driver makes, with tensors named by cell ids, then runs it. Calls
+the runtime makes on itself (``close`` acquires and flushes, ``complete`` unlocks) are part of
+the outer call and are not logged, or a replay would run them twice.
+
+One saving: the driver acquires an op's inputs, runs the kernel, then completes the record over
+the same input list; the ``op`` event implies that acquire, so it is held back and dropped
+when the matching ``complete`` comes (the fast path locks defined inputs without acquiring,
+which the same event covers).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from dtr.engine import Cell, OpRecord, Runtime, Storage
+from dtr.errors import OutOfBudgetError
+from dtr.sim.trace import TraceWriter
+
+__all__ = ["RecordingRuntime"]
+
+
+class RecordingRuntime(Runtime):
+    """A ``Runtime`` that logs its driver's calls to ``writer`` (one block)."""
+
+    def __init__(self, budget: Optional[int], heuristic, executor, writer: TraceWriter) -> None:
+        super().__init__(budget, heuristic, executor)
+        self.writer = writer
+        self._depth = 0  # > 0 inside a logged call: nested calls are part of it
+        self._cids: "weakref.WeakKeyDictionary[Cell, int]" = weakref.WeakKeyDictionary()
+        self._next_cid = 0
+        self._rids: Dict[int, int] = {}  # id(Ref) -> ref id, for live refs
+        self._next_rid = 0
+        self._pending: Optional[Tuple[Sequence[Cell], Dict[str, Any]]] = None
+        self._acquired: Dict[tuple, int] = {}  # ids of acquired cells -> open acquires
+        writer.write({"e": "begin", "budget": budget})
+
+    # ------------------------------------------------------------------ naming
+
+    def _cid(self, cell: Cell) -> int:
+        cid = self._cids.get(cell)
+        if cid is None:
+            cid = self._cids[cell] = self._next_cid
+            self._next_cid += 1
+        return cid
+
+    def _emit(self, event: Dict[str, Any]) -> None:
+        self._flush_pending()
+        self.writer.write(event)
+
+    # ------------------------------------------------------------------ logged calls
+
+    def track(self, wrapper: Any, cell: Cell):
+        ref = super().track(wrapper, cell)
+        rid = self._rids[id(ref)] = self._next_rid
+        self._next_rid += 1
+        self._emit({"e": "ref", "ref": rid, "cell": self._cid(cell)})
+        return ref
+
+    def _on_wrapper_death(self, ref) -> None:
+        # Queue the ref id with the cell, so that the free is logged when it is applied.
+        if self._refs.pop(id(ref), None) is not None and not self.closed:
+            self._dead.append((ref.cell, self._rids.pop(id(ref))))
+
+    def drain(self) -> None:
+        dead = self._dead
+        while dead:
+            cell, rid = dead.popleft()
+            if not self._depth:
+                self._emit({"e": "free", "ref": rid})
+            s = cell.storage
+            while s.forward is not None:
+                s = s.forward
+            s.refs -= 1
+            if s.refs == 0:
+                self._unreferenced(s)
+
+    def resolve(self, cell: Cell) -> Cell:
+        out = super().resolve(cell)
+        if out is not cell and not self._depth:
+            self._emit({"e": "resolve", "cell": self._cid(cell), "to": self._cid(out)})
+        return out
+
+    def acquire(self, cells: Sequence[Cell]) -> None:
+        if self._depth:
+            return super().acquire(cells)
+        self._flush_pending()
+        event = {"e": "acquire", "cells": [self._cid(c) for c in cells]}
+        self._pending = (cells, event)
+        self._depth += 1
+        try:
+            super().acquire(cells)
+        except BaseException as e:
+            event["error"] = _error(e)
+            self._flush_pending()
+            raise
+        finally:
+            self._depth -= 1
+        key = _key(cells)
+        self._acquired[key] = self._acquired.get(key, 0) + 1
+
+    def unlock(self, cells: Iterable[Cell]) -> None:
+        if self._depth:
+            return super().unlock(cells)
+        cells = list(cells)
+        key = _key(cells)
+        n = self._acquired.pop(key, 0)
+        if n:
+            if n > 1:
+                self._acquired[key] = n - 1
+            self._emit({"e": "unlock", "cells": [self._cid(c) for c in cells]})
+        # else: the fast path locked these inputs itself and its kernel failed; the trace never
+        # saw them locked, so there is nothing to undo in it.
+        self._call(None, super().unlock, cells)
+
+    def complete(
+        self,
+        rec: OpRecord,
+        mutated: Sequence[Tuple[Storage, Any]],
+        fresh: Sequence[Tuple[int, Any, Optional[Cell]]],
+    ) -> List[Cell]:
+        if self._depth:
+            return super().complete(rec, mutated, fresh)
+        key = _key(rec.inputs)
+        acquired = self._acquired.pop(key, 0)
+        if acquired > 1:
+            self._acquired[key] = acquired - 1
+        if self._pending is not None and self._pending[0] is rec.inputs:
+            self._pending = None  # the op event implies it
+            acquired = 0
+        event = {
+            "e": "op",
+            "name": rec.name,
+            "cost": rec.cost,
+            "replayable": rec.replayable,
+            "in": [self._cid(c) for c in rec.inputs],
+            "mut": [self._cid(s.root) for s, _ in mutated],
+            "new": [[n, None if base is None else self._cid(base)] for n, _, base in fresh],
+        }
+        if acquired:
+            event["acquired"] = True  # its acquire was logged on its own: do not repeat it
+        outs = self._call(event, super().complete, rec, mutated, fresh, emit=False)
+        event["out"] = [self._cid(c) for c in outs]
+        self._emit(event)
+        return outs
+
+    def before_write(self, storages: Iterable[Storage]) -> None:
+        if self._depth:
+            return super().before_write(storages)
+        storages = list(storages)
+        self._call({"e": "write", "cells": [self._cid(s.root) for s in storages]}, super().before_write, storages)
+
+    def extract(self, cell: Cell) -> Any:
+        if self._depth:
+            return super().extract(cell)
+        return self._call({"e": "extract", "cell": self._cid(cell)}, super().extract, cell)
+
+    def flush(self) -> None:
+        if self._depth:
+            return super().flush()
+        self._call({"e": "flush"}, super().flush)
+
+    def set_budget(self, budget: Optional[int]) -> None:
+        if self._depth:
+            return super().set_budget(budget)
+        self._call({"e": "budget", "budget": budget}, super().set_budget, budget)
+
+    def close(self) -> None:
+        self.drain()  # log the frees the program made, so that a replay's close sees the same refs
+        self._depth += 1
+        try:
+            super().close()
+        finally:
+            self._depth -= 1
+            self._emit({"e": "end"})
+            self.writer.flush()
+            self._rids.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call(self, event: Optional[Dict[str, Any]], fn, *args, emit: bool = True):
+        """Run ``fn`` as one logged call: nested calls are not logged; ``event`` is written
+        after it (or, with ``emit=False``, only if it raised, carrying the error)."""
+        self._depth += 1
+        try:
+            out = fn(*args)
+        except BaseException as e:
+            if event is not None:
+                event["error"] = _error(e)
+                self._emit(event)
+            raise
+        finally:
+            self._depth -= 1
+        if emit and event is not None:
+            self._emit(event)
+        return out
+
+    def _flush_pending(self) -> None:
+        if self._pending is not None:
+            self.writer.write(self._pending[1])
+            self._pending = None
+
+
+def _key(cells: Iterable[Cell]) -> tuple:
+    return tuple(map(id, cells))
+
+
+def _error(e: BaseException) -> str:
+    return "out of budget" if isinstance(e, OutOfBudgetError) else type(e).__name__

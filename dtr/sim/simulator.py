@@ -1,0 +1,194 @@
+"""``dtr.simulate``: replay a trace through the engine at another budget or heuristic.
+
+The simulator is a driver, not a model of the engine: it feeds a trace's events (trace.py) to
+``dtr.engine.Runtime``, the same class the eager driver uses, with an executor whose "replay"
+returns placeholder values and the recorded cost of the op. Every eviction, recomputation and
+byte count therefore comes from the code that runs under ``dtr.budget``; only the kernels and
+the clock are fake (the runtime's logical op clock orders accesses, and recorded costs stand
+in for time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from dtr.config import parse_bytes
+from dtr.engine import Heuristic, OpRecord, Runtime, make_heuristic
+from dtr.errors import OutOfBudgetError
+from dtr.sim.trace import Trace, load
+
+__all__ = ["SimResult", "simulate"]
+
+_DATA = True  # the placeholder value of every simulated tensor
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated run cost.
+
+    Attributes:
+        feasible: the whole trace ran under the budget (False: the engine raised
+            ``OutOfBudgetError``; the other fields count what ran until then).
+        total_cost: recorded cost of the trace's ops plus ``remat_cost`` (seconds, as recorded).
+        remat_cost: cost of the ops replayed to recompute evicted tensors.
+        peak_bytes: the most bytes resident at once (the engine's accounting).
+        evictions: storages evicted to meet the budget.
+        rematerializations: ops replayed to recompute evicted storages.
+        base_cost: recorded cost of the trace's ops alone (the run with no recomputation).
+        eager_evictions: storages evicted because the program had dropped them.
+        error: why the simulation stopped, when it is not feasible.
+    """
+
+    feasible: bool
+    total_cost: float
+    remat_cost: float
+    peak_bytes: int
+    evictions: int
+    rematerializations: int
+    base_cost: float = 0.0
+    eager_evictions: int = 0
+    error: Optional[str] = None
+
+    @property
+    def slowdown(self) -> float:
+        """``total_cost / base_cost``: the compute overhead of the budget (1.0: none)."""
+        return self.total_cost / self.base_cost if self.base_cost else 1.0
+
+
+class _Executor:
+    """Replays a record by returning placeholders and its recorded cost."""
+
+    views_alias_data = True  # as under torch, so that writes carry view values the same way
+
+    @staticmethod
+    def replay(rec: OpRecord):
+        return [_DATA] * len(rec.outputs), rec.cost
+
+    @staticmethod
+    def forget(rec: OpRecord) -> None:
+        pass
+
+
+class _Wrapper:
+    """Stands for a tensor object the program held (the runtime keeps a weak reference)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def simulate(
+    trace: Union[str, Path, Trace],
+    budget: Union[int, str, None],
+    heuristic: Union[str, Heuristic] = "dtr_eq",
+) -> SimResult:
+    """Replay ``trace`` (a path or a loaded ``Trace``) through the engine under ``budget``.
+
+    Runs the same eviction and rematerialization code as ``dtr.budget`` with a fake executor:
+    recorded op costs stand in for kernel time. Budget changes recorded in the trace are
+    ignored (the simulation runs at ``budget`` throughout). An event that failed in the
+    recorded run (``OutOfBudgetError``) is tried again: if it fails here too, the simulation
+    stops there, infeasible; if it succeeds, its results are dropped at once (the program never
+    got them) and the simulation goes on.
+
+    Args:
+        trace: path of a trace written by ``dtr.budget(..., trace=path)``, or ``dtr.sim.load(path)``.
+        budget: bytes, a size string ("800MB"), or None (no limit).
+        heuristic: a registered name (``dtr.heuristic_names()``) or a heuristic object.
+
+    Returns:
+        A ``SimResult``. An infeasible budget gives ``feasible=False``, not an exception.
+
+    Raises:
+        ValueError: on a malformed budget, an unknown heuristic or an inconsistent trace.
+    """
+    tr = load(trace)
+    limit = parse_bytes(budget)
+    make_heuristic(heuristic)  # fail on an unknown name before running anything
+    base = remat = 0.0
+    peak = evictions = eager = remats = 0
+    error = None
+    for block in tr.blocks:
+        rt = Runtime(limit, make_heuristic(heuristic), _Executor())
+        try:
+            base += _run_block(rt, block)
+        except OutOfBudgetError as e:
+            error = str(e)
+        finally:
+            c = rt.counters
+            remat += c.remat_cost
+            peak = max(peak, rt.peak)
+            evictions += c.evictions
+            eager += c.eager_evictions
+            remats += c.rematerializations
+        if error is not None:
+            break
+    return SimResult(
+        feasible=error is None,
+        total_cost=base + remat,
+        remat_cost=remat,
+        peak_bytes=peak,
+        evictions=evictions,
+        rematerializations=remats,
+        base_cost=base,
+        eager_evictions=eager,
+        error=error,
+    )
+
+
+def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
+    """Feed one block's events to ``rt``; returns the recorded cost of its ops."""
+    cells: Dict[int, Any] = {}
+    wrappers: Dict[int, _Wrapper] = {}
+    cost = 0.0
+
+    def cell(cid: int):
+        try:
+            return cells[cid]
+        except KeyError:
+            raise ValueError(f"dtr: inconsistent trace: cell {cid} is used before it was made") from None
+
+    for event in events:
+        kind = event["e"]
+        failed = "error" in event
+        if kind == "op":
+            inputs = [cell(c) for c in event["in"]]
+            if not event.get("acquired"):
+                rt.acquire(inputs)
+            rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
+            mutated = [(cell(c).storage, _DATA) for c in event["mut"]]
+            fresh = [(n, _DATA, None if b is None else cell(b)) for n, b in event["new"]]
+            outs = rt.complete(rec, mutated, fresh)
+            cost += event["cost"]
+            if failed:  # the program never got the outputs: nothing refers to them
+                rt.acquire(outs)
+                rt.unlock(outs)
+            else:
+                for cid, c in zip(event["out"], outs):
+                    cells[cid] = c
+        elif kind == "ref":
+            # No local name for the wrapper: the dict must hold its only reference.
+            rt.track(wrappers.setdefault(event["ref"], _Wrapper()), cell(event["cell"]))
+        elif kind == "free":
+            del wrappers[event["ref"]]  # its weak reference's callback queues the death
+            rt.drain()
+        elif kind == "acquire":
+            acquired = [cell(c) for c in event["cells"]]
+            rt.acquire(acquired)
+            if failed:  # the program got an error, and will not unlock them
+                rt.unlock(acquired)
+        elif kind == "unlock":
+            rt.unlock([cell(c) for c in event["cells"]])
+        elif kind == "resolve":
+            cells[event["to"]] = rt.resolve(cell(event["cell"]))
+        elif kind == "write":
+            rt.before_write([cell(c).storage for c in event["cells"]])
+        elif kind == "extract":
+            rt.extract(cell(event["cell"]))
+        elif kind == "flush":
+            rt.flush()
+        elif kind == "end":
+            rt.close()
+        elif kind not in ("begin", "budget"):
+            raise ValueError(f"dtr: unknown trace event {kind!r}")
+    return cost

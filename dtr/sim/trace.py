@@ -1,0 +1,137 @@
+"""The trace format: what a runtime saw, as versioned JSON lines.
+
+A trace is a file of JSON objects, one per line (gzip-compressed when the name ends in
+``.gz``). The first line is the header; then come blocks, one per ``dtr.budget`` block run
+with the engine, each a ``begin`` event, the events of the block and an ``end`` event.
+
+Note [Trace format, version 1]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Header: ``{"format": "dtr-trace", "version": 1, "heuristic": name, "cost": "auto"|"estimate",
+"budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
+
+Events are the calls the driver made on its runtime, in order, so that replaying them through
+``dtr.engine.Runtime`` repeats every decision the engine took (``dtr.sim.simulator``). Tensors
+are named by *cell ids* (small integers, in order of first appearance; a cell is one tensor
+over a storage: its root or a view) and program references by *ref ids*.
+
+- ``{"e": "begin", "budget": b}`` / ``{"e": "end"}``: a block starts (with its budget) / ends
+  (``Runtime.close``: live tensors made resident, lineage dropped).
+- ``{"e": "op", "name": n, "cost": seconds, "replayable": bool, "in": [cid...],
+  "mut": [cid...], "new": [[nbytes, base_cid or null], ...], "out": [cid...]}``: an op ran on
+  the defined inputs ``in`` (acquired, i.e. recomputed first if needed) and completed. ``mut``
+  are root cells of storages it wrote in place (each gets a new version, first in ``out``);
+  ``new`` are its other tensor outputs: a new storage of ``nbytes``, or a view of ``base``.
+  ``out`` names the resulting cells. ``"acquired": true`` when the inputs were acquired by a
+  separate ``acquire`` event just before (not again by the op).
+- ``{"e": "acquire", "cells": [...]}`` / ``{"e": "unlock", "cells": [...]}``: the program read
+  tensors outside an op (``dtr.materialize``, a plain read); ``unlock`` also follows an op
+  whose kernel failed.
+- ``{"e": "ref", "ref": rid, "cell": cid}``: the program got a tensor object over ``cell``;
+  ``{"e": "free", "ref": rid}``: that object died (the engine learned it at this point).
+- ``{"e": "resolve", "cell": cid, "to": cid}``: a tensor written in place elsewhere was moved
+  to the newest version of its storage.
+- ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
+- ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
+- ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
+- ``{"e": "budget", "budget": b}``: the program changed the budget (simulations at another
+  budget ignore it).
+
+An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+__all__ = ["FORMAT", "VERSION", "Trace", "TraceWriter", "load"]
+
+FORMAT = "dtr-trace"
+VERSION = 1
+
+
+def _open(path: Path, mode: str):
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+class TraceWriter:
+    """Writes a trace file: a new one with ``header``, or (``header=None``) appends blocks to
+    an existing one (a gzip file then gets another member, which readers join)."""
+
+    def __init__(self, path: Union[str, Path], header: Optional[Dict[str, Any]]) -> None:
+        self.path = Path(path)
+        self._file = _open(self.path, "w" if header is not None else "a")
+        self._dump = json.JSONEncoder(separators=(",", ":")).encode
+        if header is not None:
+            self.write({"format": FORMAT, "version": VERSION, **header})
+
+    def write(self, event: Dict[str, Any]) -> None:
+        self._file.write(self._dump(event))
+        self._file.write("\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Trace:
+    """A loaded trace: the header and, per block, its events (``begin`` and ``end`` included)."""
+
+    header: Dict[str, Any]
+    blocks: List[List[Dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def ops(self) -> int:
+        """Op events in all blocks."""
+        return sum(1 for b in self.blocks for e in b if e["e"] == "op")
+
+    @property
+    def compute_cost(self) -> float:
+        """Sum of the recorded ops' costs (seconds): the run without any recomputation."""
+        return sum(e["cost"] for b in self.blocks for e in b if e["e"] == "op" and "out" in e)
+
+
+def load(source: Union[str, Path, Trace]) -> Trace:
+    """Read a trace file (or return a loaded ``Trace`` as it is).
+
+    Raises ``ValueError`` naming the file if it is not a trace, or is of a newer version.
+    """
+    if isinstance(source, Trace):
+        return source
+    path = Path(source)
+    with _open(path, "r") as f:
+        first = f.readline()
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise ValueError(f"dtr: {path} is not a dtr trace (no '{FORMAT}' header line)")
+        if header.get("version") != VERSION:
+            raise ValueError(
+                f"dtr: {path} is a version {header.get('version')} trace; this dtr reads version {VERSION}"
+            )
+        trace = Trace(header)
+        block: Optional[List[Dict[str, Any]]] = None
+        for n, line in enumerate(f, start=2):
+            event = json.loads(line)
+            kind = event.get("e")
+            if kind == "begin":
+                block = [event]
+                trace.blocks.append(block)
+            elif block is None:
+                raise ValueError(f"dtr: {path}:{n}: event {kind!r} outside a block")
+            else:
+                block.append(event)
+                if kind == "end":
+                    block = None
+    return trace

@@ -1,0 +1,208 @@
+"""Traces and the simulator: a simulated trace repeats the real run's decisions exactly.
+
+The real run uses the deterministic cost model (``cost="estimate"``), so that its recorded
+costs, and hence its scores, are the ones a replay of the trace sees. Evictions are compared
+as sequences of storage ids, which both runs allocate in the same order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import warnings
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from test_programs import execute, make_inputs, programs, run_eager
+
+import dtr
+from dtr.engine import DTREq
+from dtr.sim import Trace, load
+from dtr.testing import zoo
+from dtr.testing.step import assert_same, fresh_model, run_step
+
+
+class Logged(DTREq):
+    """h_DTR^eq that logs the storage ids it sees evicted (budget and eager evictions alike)."""
+
+    name = "logged"
+
+    def __init__(self) -> None:
+        self.log = []
+
+    def on_evict(self, s) -> None:
+        self.log.append(s.sid)
+        super().on_evict(s)
+
+
+def record_and_simulate(run, limit, path):
+    """``run(limit, heuristic, trace)`` for real, then the simulation of its trace: both logs."""
+    real = Logged()
+    try:
+        run(limit, real, path)
+        feasible = True
+    except dtr.OutOfBudgetError:
+        feasible = False
+    sim = Logged()
+    result = dtr.simulate(path, limit, heuristic=sim)
+    return feasible, real.log, result, sim.log
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_simulation_repeats_the_evictions_of_the_real_run(name, tmp_path):
+    w = zoo.build(name, "tiny")
+    eager = run_step(w, fresh_model(w), "eager")
+    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    stats = {}
+
+    def run(limit, heuristic, trace):
+        # A fresh model each run: batch norm's running statistics change with every step.
+        r = run_step(w, fresh_model(w), limit, cost="estimate", heuristic=heuristic, trace=trace)
+        assert_same(r, eager)  # recording changes nothing
+        stats["real"] = r.stats
+
+    limit = int(peak * 0.5)
+    feasible, real, sim, simulated = record_and_simulate(run, limit, tmp_path / "t.jsonl")
+    assert feasible and sim.feasible
+    assert stats["real"].evictions > 0
+    assert simulated == real
+    s = stats["real"]
+    assert (sim.evictions, sim.eager_evictions, sim.rematerializations, sim.peak_bytes) == (
+        s.evictions, s.eager_evictions, s.rematerializations, s.peak_resident_bytes
+    )
+    # A replay estimates its cost again, from the same shapes (in-place ones add a clone).
+    assert sim.remat_cost == pytest.approx(s.remat_seconds, rel=1e-3)
+    assert sim.base_cost == pytest.approx(load(tmp_path / "t.jsonl").compute_cost)
+    assert sim.total_cost == pytest.approx(sim.base_cost + sim.remat_cost)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(program=programs, seed=st.integers(0, 2**16), fraction=st.floats(0.05, 1.0))
+def test_simulation_agrees_on_random_programs(program, seed, fraction, tmp_path):
+    """Views, in-place writes, cat/split, dropout, frees: the same decisions, and the same
+    verdict on feasibility."""
+    assume(run_eager(program, seed) is not None)
+    path = tmp_path / f"p{seed}.jsonl"
+
+    def run(limit, heuristic, trace):
+        inputs = make_inputs(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "ops were replayed at block exit"
+            with dtr.budget(limit, cost="estimate", heuristic=heuristic, trace=trace):
+                execute(program, seed, *inputs)
+
+    with dtr.budget(None, cost="estimate") as engine:
+        execute(program, seed, *make_inputs(seed))
+    limit = int(engine.stats().peak_resident_bytes * fraction)
+    feasible, real, sim, simulated = record_and_simulate(run, limit, path)
+    assert sim.feasible == feasible
+    if feasible:
+        assert simulated == real
+    else:
+        # Both fail at the same op, after the same evictions; the real run then exits its
+        # block (which may evict more), the simulation stops.
+        assert real[: len(simulated)] == simulated
+
+
+def test_trace_round_trip_and_gzip(tmp_path):
+    w = zoo.build("transformer", "tiny")
+    model = fresh_model(w)
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    run_step(w, model, None, cost="estimate", trace=plain)
+    run_step(w, model, None, cost="estimate", trace=packed)
+    with gzip.open(packed, "rt") as f:
+        assert f.read() == plain.read_text()
+    trace = load(plain)
+    assert trace.header["format"] == "dtr-trace" and trace.header["version"] == 1
+    assert trace.header["cost"] == "estimate" and trace.header["heuristic"] == "dtr_eq"
+    assert len(trace.blocks) == 1 and trace.blocks[0][0]["e"] == "begin" and trace.blocks[0][-1]["e"] == "end"
+    kinds = {e["e"] for e in trace.blocks[0]}
+    assert {"op", "ref", "free", "extract"} <= kinds
+    # Every op names its inputs and outputs by cell ids made before; sizes are positive.
+    seen = set()
+    for e in trace.blocks[0]:
+        if e["e"] == "op":
+            assert set(e["in"]) <= seen, e
+            assert all(n > 0 for n, base in e["new"] if base is None), e
+            seen.update(e["out"])
+        elif e["e"] == "resolve":
+            seen.add(e["to"])
+    assert trace.ops > 50
+    assert dtr.simulate(trace, "10 MB") == dtr.simulate(plain, "10 MB") == dtr.simulate(packed, "10 MB")
+    peak = dtr.simulate(trace, None).peak_bytes
+    low = dtr.simulate(trace, peak // 2)
+    assert low.feasible and low.evictions > 0 and low.peak_bytes <= peak // 2 + 2 * max(
+        n for b in trace.blocks for e in b if e["e"] == "op" for n, _ in e["new"]
+    )
+    assert low.slowdown > 1.0 == dtr.simulate(trace, None).slowdown
+
+
+def test_infeasible_budget_is_reported_not_raised(tmp_path):
+    w = zoo.build("mlp", "tiny")
+    run_step(w, fresh_model(w), None, cost="estimate", trace=tmp_path / "t.jsonl")
+    r = dtr.simulate(tmp_path / "t.jsonl", 1000)
+    assert not r.feasible and "budget" in r.error
+    assert isinstance(r, dtr.SimResult)
+
+
+def test_each_block_of_an_engine_is_appended(tmp_path):
+    w = zoo.build("mlp", "tiny")
+    model = fresh_model(w)
+    engine = dtr.budget(None, cost="estimate", trace=tmp_path / "t.jsonl")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)  # the same ops twice: no accumulation into .grad
+        with engine:
+            w.loss_fn(model, w.batch).backward()
+    trace = load(tmp_path / "t.jsonl")
+    assert len(trace.blocks) == 2
+    one = dtr.simulate(Trace(trace.header, trace.blocks[:1]), None)
+    two = dtr.simulate(trace, None)
+    assert two.base_cost == pytest.approx(2 * one.base_cost)
+    assert two.peak_bytes == one.peak_bytes
+
+
+def test_bad_input_is_named(tmp_path):
+    w = zoo.build("mlp", "tiny")
+    path = tmp_path / "t.jsonl"
+    run_step(w, fresh_model(w), None, trace=path)
+    with pytest.raises(ValueError, match="budget"):
+        dtr.simulate(path, "lots")
+    with pytest.raises(ValueError, match="heuristic"):
+        dtr.simulate(path, None, heuristic="nope")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"hello": 1}) + "\n")
+    with pytest.raises(ValueError, match="not a dtr trace"):
+        dtr.simulate(other, None)
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text(json.dumps({"format": "dtr-trace", "version": 99}) + "\n")
+    with pytest.raises(ValueError, match="version 99"):
+        load(newer)
+    with pytest.raises(ValueError, match="trace must be a file path"):
+        dtr.budget(None, trace=3)
+
+
+def test_recording_a_failed_step_keeps_the_engine_usable(tmp_path):
+    """An op that runs out of budget is logged as failed; raising the budget, the step goes
+    on, and the simulation at the raised budget runs the whole trace."""
+    w = zoo.build("mlp", "tiny")
+    model = fresh_model(w)
+    eager = run_step(w, model, "eager")
+    path = tmp_path / "t.jsonl"
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    with dtr.budget(1000, cost="estimate", trace=path) as engine:
+        with pytest.raises(dtr.OutOfBudgetError):
+            w.loss_fn(model, w.batch)
+        engine.budget = None
+        torch.manual_seed(1)
+        loss = w.loss_fn(model, w.batch)
+        loss.backward()
+        assert torch.equal(dtr.materialize(loss), eager.loss)
+    events = load(path).blocks[0]
+    assert any(e.get("error") == "out of budget" for e in events)
+    assert any(e["e"] == "budget" for e in events)
+    assert dtr.simulate(path, None).feasible
