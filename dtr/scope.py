@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -28,6 +28,7 @@ from dtr.config import parse_bytes
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
+from dtr.eager.seeding import Seeding, segments_of
 from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
 from dtr.errors import DTRError
 from dtr.sim.record import RecordingRuntime
@@ -36,7 +37,7 @@ from dtr.sim.trace import TraceWriter
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace")
+_OPTIONS = ("cost", "trace", "plan")
 
 
 class Engine:
@@ -55,6 +56,7 @@ class Engine:
         heuristic: Union[str, Heuristic] = "dtr_eq",
         cost: str = "auto",
         trace: Union[str, "os.PathLike[str]", None] = None,
+        plan: Optional[Sequence[Any]] = None,
     ) -> None:
         self._budget = parse_bytes(limit)
         make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
@@ -66,6 +68,7 @@ class Engine:
             raise ValueError(f"dtr.budget: trace must be a file path, got {trace!r}")
         self._trace = trace
         self._traced_blocks = 0
+        self._seeding = Seeding(segments_of(plan)) if plan is not None else None
         self._driver: Optional[Driver] = None
         self._mode: Optional[DTRMode] = None
         self._hooks: list = []
@@ -89,6 +92,8 @@ class Engine:
                 d.rt.drain()
                 d.rt.set_budget(b)
         self._budget = b
+        if self._seeding is not None and d is not None:
+            self._seeding.budget = b  # plans are solved per budget (cached)
 
     # ---------------------------------------------------------------- block
 
@@ -117,6 +122,8 @@ class Engine:
             register_optimizer_step_post_hook(lambda opt, a, k: driver.end_optimizer_step()),
         ]
         self._driver = driver
+        if self._seeding is not None:
+            self._seeding.attach(driver, self._budget)
         self._mode = DTRMode(driver)
         self._mode.__enter__()
         _local.engine = self
@@ -141,6 +148,8 @@ class Engine:
         driver, mode = self._driver, self._mode
         try:
             mode.__exit__(exc_type, exc, tb)
+            if self._seeding is not None:
+                self._seeding.detach()
             recomputed = driver.close()
         finally:
             if isinstance(driver.rt, RecordingRuntime):
@@ -188,6 +197,15 @@ class Engine:
             **d,
         )
 
+    def plans(self) -> List[Dict[tuple, Any]]:
+        """The plans of ``dtr.budget(..., plan=segments)``, one dict per segment: input
+        signature (shape, dtype, device type of each tensor argument of its first stage) ->
+        the ``dtr.planner.Plan`` applied at the current budget, or None where the segment runs
+        under plain DTR (no plan fits its share of the budget). A signature appears once its
+        profiling step (the first with it) has run forward and backward. Empty without
+        ``plan=``."""
+        return self._seeding.plans() if self._seeding is not None else []
+
     def check_invariants(self) -> None:
         """Assert the runtime's invariants (for tests; O(number of tensors))."""
         if self._driver is not None:
@@ -234,6 +252,12 @@ def budget(
             ``dtr.simulate(path, budget, heuristic)`` replays in seconds, without tensors.
             JSON lines, gzip-compressed if the name ends in ".gz"; format in ``dtr.sim.trace``.
             Each block of the engine is appended to the file (the first one starts it anew).
+        plan: sequential segments to plan statically, each an ``nn.Sequential`` or a list of
+            modules called in order (a stack of transformer blocks, ResNet stages). The first
+            step with a given input shape profiles each stage; from the next one on, the
+            rotor-optimal schedule for the segment's share of the budget is followed there
+            (checkpoints pinned until their backward, the other activations dropped as the
+            plan says); DTR handles everything else. ``engine.plans()`` shows the plans.
 
     Returns:
         An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.

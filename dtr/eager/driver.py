@@ -72,6 +72,7 @@ class Driver:
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
+        self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
     # ------------------------------------------------------------------ dispatch
 
@@ -297,6 +298,7 @@ class Driver:
                 pos += 1
         if self.estimate:
             seconds = estimate_seconds(func, args_v, kw_v, flat(out))
+        self.op_seconds += seconds
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
         rec = OpRecord(facts.name, inputs, None, seconds, replayable)
         if fresh or mutated:
@@ -394,6 +396,7 @@ class Driver:
         except BaseException:
             rt.unlock(inputs)
             raise
+        self.op_seconds += seconds
         if c is not None:
             rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
             return make_wrapper(out, rt, c)

@@ -129,6 +129,7 @@ class Runtime:
         self._refs: dict = {}  # id(Ref) -> Ref, for live wrappers
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
+        self._pins: dict = {}  # Storage -> pins (locks held between ops for a plan)
 
     # ------------------------------------------------------------------ wrappers
 
@@ -619,6 +620,38 @@ class Runtime:
         rec.use_storages = ()
         self.executor.forget(rec)
 
+    # ------------------------------------------------------------------ plan hints
+
+    def pin(self, cells: Sequence[Cell]) -> None:
+        """Make ``cells`` resident and keep their storages from eviction until ``unpin`` (a
+        plan's checkpoints). A pin is a lock that outlives the op; pins nest."""
+        self.acquire(cells)
+        pins = self._pins
+        for c in cells:
+            pins[c.storage] = pins.get(c.storage, 0) + 1
+
+    def unpin(self, cells: Sequence[Cell]) -> None:
+        """Undo ``pin(cells)``; a storage nothing needs any more is released."""
+        pins = self._pins
+        for c in cells:
+            n = pins[c.storage] - 1
+            if n:
+                pins[c.storage] = n
+            else:
+                del pins[c.storage]
+        self.unlock(cells)
+
+    def evict(self, storages: Iterable[Storage]) -> int:
+        """Evict those of ``storages`` that can go now (resident, unlocked, recomputable): a
+        plan's "drop this once consumed". Returns the bytes freed."""
+        freed = 0
+        for s in storages:
+            if s.state is RESIDENT and not s.locks and s.recomputable:
+                self._evict(s)
+                self.counters.evictions += 1
+                freed += s.nbytes
+        return freed
+
     def cut(self, s: Storage) -> None:
         """Make ``s`` permanent: drop its parent so its ancestors can be released."""
         rec = s.root.parent
@@ -685,6 +718,9 @@ class Runtime:
         Recomputation stays under the budget when the live tensors fit in it; otherwise the
         budget is lifted (the block is over, and they must all be resident from now on)."""
         self.drain()
+        for s, n in self._pins.items():  # a block can end before a plan's backward ran
+            s.locks -= n
+        self._pins.clear()
         saved = self.budget
         try:
             cells = []
@@ -713,6 +749,21 @@ class Runtime:
         """Every storage not yet released."""
         return iter(list(self._all))
 
+    @property
+    def next_sid(self) -> int:
+        """The id the next new storage will get (ids grow with creation order)."""
+        return self._sid + 1
+
+    def storages_since(self, sid: int) -> List[Storage]:
+        """Storages created, and not released, since id ``sid`` was next: newest first.
+        O(their number): the registry keeps creation order."""
+        made = []
+        for s in reversed(self._all):
+            if s.sid < sid:
+                break
+            made.append(s)
+        return made
+
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring. O(graph); for tests."""
         memory = 0
@@ -722,7 +773,7 @@ class Runtime:
         assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
         for s in self._all:
             assert s.state is not RELEASED, f"{s} is released but still registered"
-            assert s.locks == 0, f"{s} is still locked between ops"
+            assert s.locks == self._pins.get(s, 0), f"{s} is still locked between ops"
             assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
             assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
             if s.state is EVICTED:

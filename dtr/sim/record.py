@@ -168,6 +168,22 @@ class RecordingRuntime(Runtime):
             return super().set_budget(budget)
         self._call({"e": "budget", "budget": budget}, super().set_budget, budget)
 
+    def pin(self, cells: Sequence[Cell]) -> None:
+        if self._depth:
+            return super().pin(cells)
+        self._call({"e": "pin", "cells": [self._cid(c) for c in cells]}, super().pin, cells)
+
+    def unpin(self, cells: Sequence[Cell]) -> None:
+        if self._depth:
+            return super().unpin(cells)
+        self._call({"e": "unpin", "cells": [self._cid(c) for c in cells]}, super().unpin, cells)
+
+    def evict(self, storages: Iterable[Storage]) -> int:
+        if self._depth:
+            return super().evict(storages)
+        storages = list(storages)
+        return self._call({"e": "evict", "cells": [self._cid(s.root) for s in storages]}, super().evict, storages)
+
     def close(self) -> None:
         self.drain()  # log the frees the program made, so that a replay's close sees the same refs
         self._depth += 1

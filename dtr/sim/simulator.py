@@ -187,6 +187,12 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.extract(cell(event["cell"]))
         elif kind == "flush":
             rt.flush()
+        elif kind == "pin":
+            rt.pin([cell(c) for c in event["cells"]])
+        elif kind == "unpin":
+            rt.unpin([cell(c) for c in event["cells"]])
+        elif kind == "evict":
+            rt.evict([cell(c).storage for c in event["cells"]])
         elif kind == "end":
             rt.close()
         elif kind not in ("begin", "budget"):

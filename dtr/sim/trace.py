@@ -33,6 +33,9 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
 - ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
+- ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: a plan's checkpoints held
+  resident from here until their backward; ``{"e": "evict", "cells": [roots]}``: a plan drops
+  these storages (those that can go) as soon as they are consumed.
 - ``{"e": "budget", "budget": b}``: the program changed the budget (simulations at another
   budget ignore it).
 

@@ -1,0 +1,358 @@
+"""Static plans for sequential segments, applied by the dynamic runtime (``dtr.budget(plan=...)``).
+
+Note [Seeding]
+~~~~~~~~~~~~~~
+A segment is a chain of stages (modules called in order, each on the previous one's output).
+For each input signature (shapes and dtypes of the first stage's tensor arguments):
+
+1. The first training step with that signature runs under plain DTR and is *profiled* with
+   module and gradient hooks: per stage, the cost of its forward and backward ops as the engine
+   measured (or estimated) them, the bytes of its output, of what it kept for backward (its
+   storages still alive when the backward pass reaches it) and of its transient peaks.
+2. The rotor DP (``dtr.planner.solve``) gives the optimal persistent schedule for the budget
+   share the segment can use: the budget minus what was resident when the segment started.
+3. From the next step with that signature on, the first forward sweep of the plan is applied
+   as hints (``dtr.planner.hints``): stages the plan runs ``F_ck``/``F_none`` have their other
+   tensors evicted when they end, ``F_none`` stages also evict their input once read, and
+   checkpoints are pinned until their gradient has been computed. Everything else, including
+   every recomputation in the backward pass, is ordinary DTR: the heuristic handles what the
+   plan did not foresee.
+
+A pass that does not run the stages in order (control flow that skips one, a stage called
+twice) applies nothing more from that point; a new signature is profiled, never given another
+signature's plan. An infeasible share leaves the segment to plain DTR (with a warning).
+Profiled sizes are the engine's: constants (parameters, a segment input made before the block)
+cost nothing, and the transient overheads are approximations (peak during the stage minus what
+it kept).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from dtr.eager.tensor import DTRTensor
+from dtr.engine import State, Storage
+from dtr.errors import InfeasibleBudgetError
+from dtr.planner import Chain, Plan, solve
+from dtr.planner.hints import StageHint, forward_hints
+
+__all__ = ["Seeding", "segments_of"]
+
+def segments_of(plan: Any) -> List[List[nn.Module]]:
+    """Validate ``dtr.budget(..., plan=...)``: a list of segments, each an ``nn.Sequential``
+    or a list of modules called in order."""
+    if not isinstance(plan, (list, tuple)) or not plan:
+        raise ValueError(f"dtr.budget: plan must be a non-empty list of segments, got {plan!r}")
+    out = []
+    seen = set()
+    for i, seg in enumerate(plan):
+        modules = list(seg) if isinstance(seg, (nn.Sequential, nn.ModuleList, list, tuple)) else None
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            raise ValueError(
+                f"dtr.budget: plan[{i}] must be an nn.Sequential or a non-empty list of modules "
+                f"called in order, got {type(seg).__name__}"
+            )
+        for m in modules:
+            if id(m) in seen:
+                raise ValueError(f"dtr.budget: plan[{i}] repeats a module of another stage: {type(m).__name__}")
+            seen.add(id(m))
+        out.append(modules)
+    return out
+
+
+class _Profile:
+    """Measurements of one forward and backward pass of a segment (lists indexed by stage)."""
+
+    def __init__(self, stages: int) -> None:
+        z = [0] * stages
+        self.forward, self.backward = [0.0] * stages, [0.0] * stages
+        self.output, self.saved, self.forward_peak, self.backward_peak = list(z), list(z), list(z), list(z)
+        self.storages: List[List[Storage]] = [[] for _ in range(stages)]
+        self.input_bytes = 0
+        self.before = 0  # bytes resident outside the segment when it started
+        self.stage: Optional[int] = None  # stage whose backward is running
+        self.t0 = 0.0
+        self.m0 = 0
+        self.saved_peak = 0
+
+    def chain(self) -> Chain:
+        n = len(self.forward)
+        inputs = [self.input_bytes] + self.output[:-1]
+        return Chain(
+            forward_time=self.forward,
+            backward_time=self.backward,
+            output_bytes=self.output,
+            saved_bytes=self.saved,
+            forward_overhead=[max(0, self.forward_peak[k] - max(self.saved[k], self.output[k])) for k in range(n)],
+            backward_overhead=[max(0, self.backward_peak[k] - inputs[k]) for k in range(n)],
+            input_bytes=self.input_bytes,
+        )
+
+
+class _Pass:
+    """One forward pass of a segment in progress."""
+
+    def __init__(self, signature: tuple, mode: str, hints: Optional[List[StageHint]]) -> None:
+        self.signature = signature
+        self.mode = mode  # "profile" or "apply"
+        self.hints = hints
+        self.next = 0  # stage expected next
+        self.start_sid = 0
+        self.t0 = 0.0
+        self.m0 = 0
+        self.saved_peak = 0
+        self.previous: List[Storage] = []  # storages of the previous stage's output
+        self.profile: Optional[_Profile] = None
+
+
+class _Segment:
+    def __init__(self, modules: List[nn.Module]) -> None:
+        self.modules = modules
+        self.chains: Dict[tuple, Chain] = {}  # signature -> profiled costs
+        self.profiles: Dict[tuple, Tuple[Chain, int]] = {}  # signature -> (chain, bytes before)
+        self.plans: Dict[Tuple[tuple, Optional[int]], Optional[Plan]] = {}  # (signature, budget)
+        self.active: Optional[_Pass] = None
+
+
+class Seeding:
+    """The plans of one engine's segments, and the hooks that profile and apply them."""
+
+    def __init__(self, segments: List[List[nn.Module]]) -> None:
+        self.segments = [_Segment(m) for m in segments]
+        self.driver = None
+        self.budget: Optional[int] = None
+        self._handles: list = []
+        self._pinned: List[list] = []  # cell lists pinned and not yet unpinned
+        self._warned = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def attach(self, driver, budget: Optional[int]) -> None:
+        self.driver = driver
+        self.budget = budget
+        for seg in self.segments:
+            seg.active = None
+            for k, m in enumerate(seg.modules):
+                self._handles.append(m.register_forward_pre_hook(self._pre_hook(seg, k)))
+                self._handles.append(m.register_forward_hook(self._post_hook(seg, k)))
+
+    def detach(self) -> None:
+        """Remove the hooks and unpin what a backward pass did not get to (before the block's
+        runtime closes)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        rt = self.driver.rt
+        with rt.lock:
+            for cells in self._pinned:
+                rt.unpin(cells)
+        self._pinned = []
+        for seg in self.segments:
+            seg.active = None
+        self.driver = None
+
+    def plans(self) -> List[Dict[tuple, Optional[Plan]]]:
+        """Per segment: input signature -> the plan in use for the current budget (None: the
+        segment runs under plain DTR)."""
+        return [{sig: plan for (sig, b), plan in seg.plans.items() if b == self.budget} for seg in self.segments]
+
+    # ------------------------------------------------------------------ forward hooks
+
+    def _pre_hook(self, seg: _Segment, k: int):
+        def pre(module, args):
+            if self.driver is None or not torch.is_grad_enabled():
+                return
+            rt = self.driver.rt
+            with rt.lock:
+                if k == 0:
+                    self._begin(seg, _signature(args), args)
+                p = seg.active
+                if p is None:
+                    return
+                if p.next != k:  # stages out of order: apply nothing more in this pass
+                    seg.active = None
+                    return
+                p.start_sid = rt.next_sid
+                p.t0 = self.driver.op_seconds
+                p.m0 = rt.memory
+                if p.mode == "profile":
+                    p.saved_peak, rt.peak = rt.peak, rt.memory
+
+        return pre
+
+    def _begin(self, seg: _Segment, signature: tuple, args) -> None:
+        seg.active = None
+        if self.budget is None or signature is None:
+            return
+        rt = self.driver.rt
+        key = (signature, self.budget)
+        if key not in seg.plans and signature in seg.profiles:
+            seg.plans[key] = self._solve(*seg.profiles[signature])
+        if key in seg.plans:
+            plan = seg.plans[key]
+            if plan is not None:
+                seg.active = _Pass(signature, "apply", forward_hints(plan.ops, len(seg.modules)))
+            return
+        p = seg.active = _Pass(signature, "profile", None)
+        prof = p.profile = _Profile(len(seg.modules))
+        x = args[0] if args else None
+        if type(x) is DTRTensor and x._dtr.cell.storage.runtime is rt:
+            prof.input_bytes = rt.resolve(x._dtr.cell).storage.nbytes
+        prof.before = rt.memory - prof.input_bytes
+
+    def _post_hook(self, seg: _Segment, k: int):
+        def post(module, args, output):
+            p = seg.active
+            if p is None or self.driver is None or p.next != k:
+                return
+            rt = self.driver.rt
+            with rt.lock:
+                cells = _cells(rt, output)
+                outs = list(dict.fromkeys(c.storage for c in cells))
+                made = rt.storages_since(p.start_sid)
+                if p.mode == "profile":
+                    prof = p.profile
+                    prof.forward[k] = self.driver.op_seconds - p.t0
+                    prof.output[k] = sum(s.nbytes for s in outs)
+                    prof.forward_peak[k] = rt.peak - p.m0
+                    rt.peak = max(rt.peak, p.saved_peak)
+                    prof.storages[k] = made
+                    self._watch_gradient(output, lambda: self._backward_reached(seg, p, k))
+                    if k == 0:
+                        self._watch_gradient(args[0] if args else None, lambda: self._backward_reached(seg, p, -1))
+                else:
+                    hint = p.hints[k]
+                    if hint.drop_tape:
+                        keep = set(outs)
+                        rt.evict([s for s in made if s not in keep])
+                    if hint.drop_input and k > 0:
+                        rt.evict(p.previous)
+                    if hint.pin_output and cells:
+                        rt.pin(cells)
+                        self._pinned.append(cells)
+                        self._watch_gradient(output, lambda: self._unpin(cells))
+                p.previous = outs
+                p.next = k + 1
+            if p.next == len(seg.modules) and p.mode == "apply":
+                seg.active = None
+
+        return post
+
+    # ------------------------------------------------------------------ backward
+
+    def _watch_gradient(self, output, callback) -> None:
+        """Call ``callback`` once, when the gradient of ``output`` (a tensor or the first tensor
+        of a tuple) has been computed, i.e. when the backward pass has gone through it."""
+        t = output
+        if isinstance(t, (tuple, list)):
+            t = next((x for x in t if isinstance(x, torch.Tensor)), None)
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            return
+        fired = []
+
+        def hook(grad):
+            if not fired:
+                fired.append(True)
+                callback()
+
+        t.register_hook(hook)
+
+    def _unpin(self, cells: list) -> None:
+        if self.driver is None:
+            return
+        rt = self.driver.rt
+        with rt.lock:
+            for i, c in enumerate(self._pinned):
+                if c is cells:
+                    del self._pinned[i]
+                    rt.unpin(cells)
+                    return
+
+    def _backward_reached(self, seg: _Segment, p: _Pass, k: int) -> None:
+        """Profiling: the gradient of stage ``k``'s output exists (``k = -1``: the segment's
+        input), so stage ``k + 1``'s backward is over and stage ``k``'s begins."""
+        prof = p.profile
+        if self.driver is None or prof is None:
+            return
+        d = self.driver
+        rt = d.rt
+        with rt.lock:
+            if prof.stage is None:
+                if k != len(seg.modules) - 1:
+                    p.profile = None  # the backward pass did not enter at the segment's end
+                    return
+                # A stage's tape: what it made that the program (autograd) still holds. Old
+                # versions of storages written in place are lineage, not tape.
+                prof.storages = [[s for s in made if s.refs and s.state is not State.RELEASED]
+                                 for made in prof.storages]
+                for j, kept in enumerate(prof.storages):
+                    prof.saved[j] = sum(s.nbytes for s in kept)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(seg, p))
+            else:
+                self._close_stage(prof, rt)
+            if k >= 0:
+                prof.stage, prof.t0, prof.m0 = k, d.op_seconds, rt.memory
+                prof.saved_peak, rt.peak = rt.peak, rt.memory
+                # Tape that DTR evicted comes back during this backward: not an overhead.
+                prof.m0 += sum(s.nbytes for s in prof.storages[k] if s.state is State.EVICTED)
+            else:
+                prof.stage = -1
+
+    def _close_stage(self, prof: _Profile, rt) -> None:
+        j = prof.stage
+        if j is None or j < 0:
+            return
+        prof.backward[j] = self.driver.op_seconds - prof.t0
+        prof.backward_peak[j] = rt.peak - prof.m0
+        rt.peak = max(rt.peak, prof.saved_peak)
+
+    def _backward_done(self, seg: _Segment, p: _Pass) -> None:
+        prof = p.profile
+        if self.driver is None or prof is None:
+            return
+        with self.driver.rt.lock:
+            self._close_stage(prof, self.driver.rt)
+            prof.storages = []
+            p.profile = None
+            if seg.active is p:
+                seg.active = None
+            if any(prof.backward) or any(prof.forward):
+                chain = prof.chain()
+                seg.profiles[p.signature] = (chain, prof.before)
+                seg.plans[(p.signature, self.budget)] = self._solve(chain, prof.before)
+
+    def _solve(self, chain: Chain, before: int) -> Optional[Plan]:
+        share = self.budget - before
+        try:
+            if share <= 0:
+                raise InfeasibleBudgetError(f"the segment has no room: {before} bytes are in use before it", 0)
+            return solve(chain, share)
+        except InfeasibleBudgetError as e:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"dtr: no plan fits the segment's share of the budget ({max(share, 0)} bytes; "
+                    f"{e}); it runs under plain DTR",
+                    stacklevel=2,
+                )
+            return None
+
+
+def _signature(args: Sequence[Any]) -> Optional[tuple]:
+    sig = tuple((tuple(a.shape), a.dtype, a.device.type) for a in args if isinstance(a, torch.Tensor))
+    return sig or None
+
+
+def _cells(rt, output) -> list:
+    """The engine cells of a stage's output tensors (plain tensors have none)."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    cells = []
+    for t in items:
+        if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
+            ref = t._dtr
+            cells.append(rt.resolve(ref.cell))
+    return cells

@@ -1,0 +1,58 @@
+"""What a plan asks of a runtime that recomputes on demand: per-stage hints for the forward pass.
+
+A dynamic runtime does not execute a plan's op sequence; it runs the program's forward pass
+once and recomputes what the backward pass misses. What it can take from a plan is which
+activations to hold and which to drop during that first forward sweep (the ops before the first
+``B``); the recomputations of the backward phase then follow from what is missing:
+
+* ``F_all^k``: stage ``k`` keeps its tape ``ā^k`` (nothing to do);
+* ``F_ck^k``: it keeps only its output ``a^k``: drop the stage's other tensors when it ends;
+* ``F_none^k``: as ``F_ck^k``, and it also drops its input ``a^(k-1)`` once it has been read.
+
+An output that the sweep keeps (the stage is ``F_ck`` or ``F_none``, and the next stage does
+not drop it) is a checkpoint: pinned until the backward pass has used it, so that the
+heuristic does not evict what the plan's memory accounting assumed resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from dtr.planner.chain import Op
+
+__all__ = ["StageHint", "forward_hints"]
+
+
+@dataclass(frozen=True)
+class StageHint:
+    """What to do when stage ``k`` (1-based) finishes its forward pass."""
+
+    drop_tape: bool  # drop the tensors the stage made, except its output
+    drop_input: bool  # drop the stage's input a^(k-1) (the previous stage's output)
+    pin_output: bool  # hold a^k resident until its gradient has been computed
+
+
+def forward_hints(ops: Sequence[Op], stages: int) -> List[StageHint]:
+    """Hints for stages ``1..stages`` (index ``k - 1``) from a plan's op sequence.
+
+    Raises ValueError if the first sweep does not run every stage once, in order.
+    """
+    kinds = []
+    for kind, stage in ops:
+        if kind == "B":
+            break
+        if kind in ("offload", "prefetch"):
+            continue
+        if stage != len(kinds) + 1:
+            raise ValueError(f"forward_hints: the plan's first sweep runs stage {stage} after {len(kinds)} stages")
+        kinds.append(kind)
+    if len(kinds) != stages:
+        raise ValueError(f"forward_hints: the plan's first sweep runs {len(kinds)} of {stages} stages")
+    hints = []
+    for k, kind in enumerate(kinds):
+        dropped_by_next = k + 1 < stages and kinds[k + 1] == "F_none"
+        partial = kind != "F_all"
+        hints.append(StageHint(drop_tape=partial, drop_input=kind == "F_none",
+                               pin_output=partial and not dropped_by_next))
+    return hints
