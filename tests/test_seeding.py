@@ -61,7 +61,7 @@ def run_step_in(w, model, engine):
 def _plan_and_chain(engine):
     (plans,) = engine.plans()
     (plan,) = plans.values()
-    (chain, before), = engine._seeding.segments[0].profiles.values()  # the profiled costs
+    (chain, before, _), = engine._seeding.segments[0].profiles.values()  # the profiled costs
     return plan, chain, before
 
 

@@ -72,6 +72,7 @@ class _Profile:
         self.forward, self.backward = [0.0] * stages, [0.0] * stages
         self.output, self.saved, self.forward_peak, self.backward_peak = list(z), list(z), list(z), list(z)
         self.storages: List[List[Storage]] = [[] for _ in range(stages)]
+        self.fused = [False] * stages  # stage k's output was written in place by stage k + 1
         self.input_bytes = 0
         self.before = 0  # bytes resident outside the segment when it started
         self.stage: Optional[int] = None  # stage whose backward is running
@@ -79,41 +80,58 @@ class _Profile:
         self.m0 = 0
         self.saved_peak = 0
 
+    def groups(self) -> List[Tuple[int, int]]:
+        """Planning stages as ``(first, last)`` module indexes: a module whose output the next
+        one writes in place (``ReLU(inplace=True)``) forms one stage with it, because its
+        output never exists apart from the next one's (it cannot be a checkpoint)."""
+        groups, first = [], 0
+        for k, fused in enumerate(self.fused):
+            if not fused or k == len(self.fused) - 1:
+                groups.append((first, k))
+                first = k + 1
+        return groups
+
     def chain(self) -> Chain:
-        n = len(self.forward)
-        inputs = [self.input_bytes] + self.output[:-1]
-        return Chain(
-            forward_time=self.forward,
-            backward_time=self.backward,
-            output_bytes=self.output,
-            saved_bytes=self.saved,
-            forward_overhead=[max(0, self.forward_peak[k] - max(self.saved[k], self.output[k])) for k in range(n)],
-            backward_overhead=[max(0, self.backward_peak[k] - inputs[k]) for k in range(n)],
-            input_bytes=self.input_bytes,
-        )
+        cols: Dict[str, list] = {name: [] for name in ("f", "b", "out", "saved", "fo", "bo")}
+        before = self.input_bytes
+        for first, last in self.groups():
+            r = range(first, last + 1)
+            saved = sum(self.saved[k] for k in r)
+            # A module's forward peak was measured from its own start: add what the group's
+            # earlier modules keep.
+            fpeak = max(sum(self.saved[i] for i in range(first, k)) + self.forward_peak[k] for k in r)
+            cols["f"].append(sum(self.forward[k] for k in r))
+            cols["b"].append(sum(self.backward[k] for k in r))
+            cols["out"].append(self.output[last])
+            cols["saved"].append(saved)
+            cols["fo"].append(max(0, fpeak - max(saved, self.output[last])))
+            cols["bo"].append(max(0, max(self.backward_peak[k] for k in r) - before))
+            before = self.output[last]
+        return Chain(cols["f"], cols["b"], cols["out"], cols["saved"], cols["fo"], cols["bo"], self.input_bytes)
 
 
 class _Pass:
     """One forward pass of a segment in progress."""
 
-    def __init__(self, signature: tuple, mode: str, hints: Optional[List[StageHint]]) -> None:
+    def __init__(self, signature: tuple, mode: str, hints: Dict[int, StageHint], starts: set) -> None:
         self.signature = signature
         self.mode = mode  # "profile" or "apply"
-        self.hints = hints
+        self.hints = hints  # last module index of a planning stage -> its hint
+        self.starts = starts  # first module indexes of the planning stages
         self.next = 0  # stage expected next
         self.start_sid = 0
         self.t0 = 0.0
         self.m0 = 0
         self.saved_peak = 0
-        self.previous: List[Storage] = []  # storages of the previous stage's output
+        self.previous: List[Storage] = []  # output storages of the previous (planning) stage
         self.profile: Optional[_Profile] = None
 
 
 class _Segment:
     def __init__(self, modules: List[nn.Module]) -> None:
         self.modules = modules
-        self.chains: Dict[tuple, Chain] = {}  # signature -> profiled costs
-        self.profiles: Dict[tuple, Tuple[Chain, int]] = {}  # signature -> (chain, bytes before)
+        # signature -> (chain, bytes resident before the segment, planning stages)
+        self.profiles: Dict[tuple, Tuple[Chain, int, List[Tuple[int, int]]]] = {}
         self.plans: Dict[Tuple[tuple, Optional[int]], Optional[Plan]] = {}  # (signature, budget)
         self.active: Optional[_Pass] = None
 
@@ -176,7 +194,8 @@ class Seeding:
                 if p.next != k:  # stages out of order: apply nothing more in this pass
                     seg.active = None
                     return
-                p.start_sid = rt.next_sid
+                if p.mode == "profile" or k in p.starts:
+                    p.start_sid = rt.next_sid
                 p.t0 = self.driver.op_seconds
                 p.m0 = rt.memory
                 if p.mode == "profile":
@@ -191,13 +210,17 @@ class Seeding:
         rt = self.driver.rt
         key = (signature, self.budget)
         if key not in seg.plans and signature in seg.profiles:
-            seg.plans[key] = self._solve(*seg.profiles[signature])
+            chain, before, _ = seg.profiles[signature]
+            seg.plans[key] = self._solve(chain, before)
         if key in seg.plans:
             plan = seg.plans[key]
             if plan is not None:
-                seg.active = _Pass(signature, "apply", forward_hints(plan.ops, len(seg.modules)))
+                groups = seg.profiles[signature][2]
+                hints = forward_hints(plan.ops, len(groups))
+                seg.active = _Pass(signature, "apply", {last: h for (_, last), h in zip(groups, hints)},
+                                   {first for first, _ in groups})
             return
-        p = seg.active = _Pass(signature, "profile", None)
+        p = seg.active = _Pass(signature, "profile", {}, set())
         prof = p.profile = _Profile(len(seg.modules))
         x = args[0] if args else None
         if type(x) is DTRTensor and x._dtr.cell.storage.runtime is rt:
@@ -221,11 +244,16 @@ class Seeding:
                     prof.forward_peak[k] = rt.peak - p.m0
                     rt.peak = max(rt.peak, p.saved_peak)
                     prof.storages[k] = made
+                    if k and any(s.forward is not None for s in p.previous):
+                        prof.fused[k - 1] = True
                     self._watch_gradient(output, lambda: self._backward_reached(seg, p, k))
                     if k == 0:
                         self._watch_gradient(args[0] if args else None, lambda: self._backward_reached(seg, p, -1))
                 else:
-                    hint = p.hints[k]
+                    hint = p.hints.get(k)
+                    if hint is None:  # inside a planning stage
+                        p.next = k + 1
+                        return
                     if hint.drop_tape:
                         keep = set(outs)
                         rt.evict([s for s in made if s not in keep])
@@ -322,7 +350,7 @@ class Seeding:
                 seg.active = None
             if any(prof.backward) or any(prof.forward):
                 chain = prof.chain()
-                seg.profiles[p.signature] = (chain, prof.before)
+                seg.profiles[p.signature] = (chain, prof.before, prof.groups())
                 seg.plans[(p.signature, self.budget)] = self._solve(chain, prof.before)
 
     def _solve(self, chain: Chain, before: int) -> Optional[Plan]:
