@@ -29,7 +29,9 @@ from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
+from dtr.eager.swap import measure_bandwidth
 from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
+from dtr.engine.swap import HostTier
 from dtr.errors import DTRError
 from dtr.sim.record import RecordingRuntime
 from dtr.sim.trace import TraceWriter
@@ -37,7 +39,7 @@ from dtr.sim.trace import TraceWriter
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace", "plan")
+_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth")
 
 
 class Engine:
@@ -57,6 +59,9 @@ class Engine:
         cost: str = "auto",
         trace: Union[str, "os.PathLike[str]", None] = None,
         plan: Optional[Sequence[Any]] = None,
+        swap: bool = False,
+        host_limit: Union[int, str, None] = None,
+        bandwidth: Optional[float] = None,
     ) -> None:
         self._budget = parse_bytes(limit)
         make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
@@ -69,11 +74,26 @@ class Engine:
         self._trace = trace
         self._traced_blocks = 0
         self._seeding = Seeding(segments_of(plan)) if plan is not None else None
+        if not isinstance(swap, bool):
+            raise ValueError(f"dtr.budget: swap must be True or False, got {swap!r}")
+        if not swap and (host_limit is not None or bandwidth is not None):
+            raise ValueError("dtr.budget: host_limit and bandwidth apply to swapping; pass swap=True")
+        try:
+            self._host_limit = parse_bytes(host_limit)
+        except ValueError as e:
+            raise ValueError(f"dtr.budget: host_limit: {e}") from None
+        if bandwidth is not None and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
+            raise ValueError(f"dtr.budget: bandwidth must be a positive number of bytes per second, got {bandwidth!r}")
+        self._swap = swap
+        self._bandwidth = bandwidth
+        self._swap_log = None  # the previous block's swap-ins, for prefetching
+        self._host_peak = 0
         self._driver: Optional[Driver] = None
         self._mode: Optional[DTRMode] = None
         self._hooks: list = []
         self._done = dict(ops=0, evictions=0, eager_evictions=0, rematerializations=0,
-                          remat_seconds=0.0, flushes=0)
+                          remat_seconds=0.0, flushes=0, swaps_out=0, swaps_in=0, prefetches=0,
+                          swap_bytes_out=0, swap_bytes_in=0, swap_stall_seconds=0.0)
         self._peak = 0
         self._constant_bytes = 0
 
@@ -112,6 +132,9 @@ class Engine:
         if self._trace is not None:
             runtime = self._recorder(heuristic)
         driver = Driver(self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime)
+        if self._swap:
+            bandwidth = self._bandwidth or measure_bandwidth()
+            driver.rt.host = HostTier(bandwidth, self._host_limit, self._swap_log)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
@@ -171,6 +194,10 @@ class Engine:
 
     def _absorb(self, driver: Driver) -> None:
         _add_counts(self._done, driver)
+        host = driver.rt.host
+        if host is not None:
+            self._swap_log = host.log
+            self._host_peak = max(self._host_peak, host.peak)
         self._peak = max(self._peak, driver.rt.peak)
         self._constant_bytes = sum(driver.const_bytes.values())
 
@@ -180,6 +207,7 @@ class Engine:
         """What this engine has done so far, summed over its blocks (see ``dtr.Stats``)."""
         d = dict(self._done)
         peak, resident, constant = self._peak, 0, self._constant_bytes
+        host_peak = self._host_peak
         driver = self._driver
         if driver is not None:
             rt = driver.rt
@@ -188,12 +216,15 @@ class Engine:
                 _add_counts(d, driver)
                 peak = max(peak, rt.peak)
                 resident = rt.memory
+                if rt.host is not None:
+                    host_peak = max(host_peak, rt.host.peak)
                 constant = sum(driver.const_bytes.values())
         return Stats(
             resident_bytes=resident,
             peak_resident_bytes=peak,
             constant_bytes=constant,
             budget=self._budget,
+            host_peak_bytes=host_peak,
             **d,
         )
 
@@ -226,6 +257,12 @@ def _add_counts(totals: dict, driver: Driver) -> None:
     totals["rematerializations"] += c.rematerializations
     totals["remat_seconds"] += c.remat_cost
     totals["flushes"] += c.flushes
+    totals["swaps_out"] += c.swaps_out
+    totals["swaps_in"] += c.swaps_in
+    totals["prefetches"] += c.prefetches
+    totals["swap_bytes_out"] += c.swap_bytes_out
+    totals["swap_bytes_in"] += c.swap_bytes_in
+    totals["swap_stall_seconds"] += c.swap_stall
 
 
 def budget(
@@ -258,6 +295,14 @@ def budget(
             rotor-optimal schedule for the segment's share of the budget is followed there
             (checkpoints pinned until their backward, the other activations dropped as the
             plan says); DTR handles everything else. ``engine.plans()`` shows the plans.
+        swap: when True, a tensor can also be copied to host memory instead of evicted,
+            whichever is cheaper (transfer time vs recomputation), and is copied back when
+            needed, or ahead of need in the order the previous block needed it. Tensors the
+            engine cannot recompute can still be swapped.
+        host_limit: host bytes the swapped tensors may take (None: no limit); beyond it the
+            engine evicts instead. Needs ``swap=True``.
+        bandwidth: bytes per second of a host copy, for the swap-or-evict choice; None (the
+            default) measures it once per process on the device in use.
 
     Returns:
         An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.

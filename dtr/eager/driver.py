@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from dtr.eager import rng
+from dtr.eager import rng, swap
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
 from dtr.eager.replay import Call, fill, flat, replay
@@ -489,6 +489,25 @@ class Driver:
 
     def replay(self, rec):
         return replay(rec, self.estimate)
+
+    @staticmethod
+    def swap_out(value):
+        with _no_python_dispatch():
+            return swap.swap_out(value)
+
+    @staticmethod
+    def swap_done(handle) -> bool:
+        return handle.done()
+
+    @staticmethod
+    def swap_wait(handle) -> None:
+        handle.event.synchronize()
+        handle.done()
+
+    @staticmethod
+    def swap_in(handle):
+        with _no_python_dispatch():
+            return swap.swap_in(handle)
 
     def forget(self, rec) -> None:
         call = rec.payload

@@ -24,7 +24,7 @@ from dtr.eager import rng
 from dtr.eager.cost import estimate_seconds
 from dtr.errors import DTRError
 
-__all__ = ["Call", "flat", "fill", "replay", "derive"]
+__all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive"]
 
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
@@ -94,7 +94,7 @@ def fill(template: list, kwargs: Optional[dict], slots, value_of) -> Tuple[list,
     return args, kw
 
 
-def _clone_root(value: torch.Tensor) -> torch.Tensor:
+def clone_root(value: torch.Tensor) -> torch.Tensor:
     """A copy of ``value``'s whole storage, viewed exactly like ``value``."""
     storage = value.untyped_storage().clone()
     return value.new_empty((0,)).set_(storage, value.storage_offset(), value.size(), value.stride())
@@ -126,7 +126,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
     p = rec.payload
     inputs = rec.inputs
     with _no_python_dispatch(), _below_autograd(), torch.set_grad_enabled(p.grad):
-        clones = [_clone_root(inputs[m].value) for m in range(p.versions)]
+        clones = [clone_root(inputs[m].value) for m in range(p.versions)]
         if p.derive:
             deriv = p.derive
 

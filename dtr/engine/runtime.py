@@ -34,6 +34,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, 
 
 from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.swap import HostTier
 from dtr.engine.telemetry import Counters
 from dtr.errors import OutOfBudgetError
 
@@ -43,6 +44,7 @@ RESIDENT = State.RESIDENT
 EVICTED = State.EVICTED
 EXTERNAL = State.EXTERNAL
 RELEASED = State.RELEASED
+SWAPPED = State.SWAPPED
 
 
 class Executor(Protocol):
@@ -65,6 +67,20 @@ class Executor(Protocol):
     def forget(self, record: OpRecord) -> None:
         """``record`` will never be replayed again; drop what its payload holds."""
 
+    # Swapping (only with a host tier; engine/swap.py):
+
+    def swap_out(self, value: Any) -> Any:
+        """Start copying a storage (its root ``value``) to the host; returns a handle."""
+
+    def swap_done(self, handle: Any) -> bool:
+        """Whether the copy out has finished, so that the storage's memory is free."""
+
+    def swap_wait(self, handle: Any) -> None:
+        """Block until the copy out has finished."""
+
+    def swap_in(self, handle: Any) -> Tuple[Any, float]:
+        """The root value back from the host, and the seconds the caller waited for it."""
+
 
 class Ref(weakref.ref):
     """A program-held wrapper's link to its cell; the callback tells the runtime it died."""
@@ -74,6 +90,9 @@ class Ref(weakref.ref):
 
 def _noop(storage: Storage) -> None:
     pass
+
+
+_NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
 
 
 def _add_view(s: Storage, c: Cell) -> None:
@@ -130,6 +149,8 @@ class Runtime:
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
         self._pins: dict = {}  # Storage -> pins (locks held between ops for a plan)
+        self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
+        self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
 
     # ------------------------------------------------------------------ wrappers
 
@@ -312,9 +333,11 @@ class Runtime:
             if added and self.budget is not None and self.memory > self.budget:
                 self._fit_outputs(rec, new, len(mutated))
             self._wire(rec, new, now)
-            return outs  # type: ignore[return-value]
         finally:
             self.unlock(rec.inputs)
+        if self.host is not None:
+            self._after_op(rec.cost)
+        return outs  # type: ignore[return-value]
 
     def _fit_outputs(self, rec: OpRecord, new: List[Storage], n_versions: int) -> None:
         for s in new:
@@ -400,6 +423,10 @@ class Runtime:
             while stack:
                 c = stack[-1]
                 if c.value is not None:
+                    stack.pop()
+                    continue
+                if c.storage.state is SWAPPED and c is c.storage.root:
+                    self._swap_in(c.storage, prefetch=False)
                     stack.pop()
                     continue
                 rec = c.parent
@@ -501,13 +528,14 @@ class Runtime:
         if self.memory <= target:
             return
         now = self.clock
-        score = self._score
+        host = self.host
+        score = self._score if host is None else self._swap_or_evict_key
         candidates = []
         total = 0
         for s in self.resident:
             if s.locks == 0:
                 rec = s.root.parent
-                if rec is not None and rec.replayable:
+                if (rec is not None and rec.replayable) or host is not None:
                     candidates.append(s)
                     total += s.nbytes
         small_below = total / (100 * len(candidates)) if candidates else 0
@@ -518,6 +546,11 @@ class Runtime:
             while True:
                 if not heap:
                     if not small:
+                        if self._outgoing:  # copies out in flight: wait for one, then go on
+                            self._poll_outgoing(wait=True)
+                            if self.memory <= target:
+                                return
+                            continue
                         raise self._out_of_budget(target, opname)
                     heap, small = small, []
                     heapify(heap)
@@ -525,12 +558,35 @@ class Runtime:
                 if s.state is not RESIDENT or s.locks:
                     continue
                 cur = score(s, now)
+                if cur == _NEVER:
+                    continue
                 if cur > old and heap and cur > heap[0][0]:
                     heappush(heap, (cur, sid, s))
                     continue
                 break
-            self._evict(s)
-            self.counters.evictions += 1
+            if host is not None and self._prefers_swap(s, now):
+                self._swap_out(s)
+            else:
+                self._evict(s)
+                self.counters.evictions += 1
+
+    def _swap_or_evict_key(self, s: Storage, now: int) -> float:
+        """With a host tier: the lower of the heuristic's score (if ``s`` can be recomputed) and
+        the swap's, transfer time per byte and staleness (if the host has room); Note [Swap or
+        evict] in swap.py."""
+        return min(self._evict_key(s, now), self._swap_key(s, now))
+
+    def _evict_key(self, s: Storage, now: int) -> float:
+        return self._score(s, now) if s.recomputable else _NEVER
+
+    def _swap_key(self, s: Storage, now: int) -> float:
+        if not self.host.fits(s.nbytes):
+            return _NEVER
+        return self.host.swap_cost(s.nbytes) / ((s.nbytes or 1) * (now - s.last_access + 1))
+
+    def _prefers_swap(self, s: Storage, now: int) -> bool:
+        swap = self._swap_key(s, now)
+        return swap != _NEVER and swap < self._evict_key(s, now)
 
     def _settle(self) -> None:
         """After a failure, evict what the failed op had locked until back under the budget
@@ -571,6 +627,82 @@ class Runtime:
         )
         return OutOfBudgetError(needed, target, opname, detail)
 
+    # ------------------------------------------------------------------ host tier
+
+    def _swap_out(self, s: Storage) -> None:
+        """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
+        handle = self.executor.swap_out(s.root.value)
+        del self.resident[s]
+        s.state = SWAPPED
+        self._drop_values(s)
+        self.host.add(s, handle)
+        c = self.counters
+        c.swaps_out += 1
+        c.swap_bytes_out += s.nbytes
+        if self.executor.swap_done(handle):
+            self.memory -= s.nbytes
+        else:  # its memory is still read by the copy: charged until it is done
+            self._outgoing.append(s)
+
+    def _poll_outgoing(self, wait: bool = False) -> None:
+        """Stop charging swapped-out storages whose copy has finished (with ``wait``: the
+        oldest one at least, waiting for it)."""
+        done = []
+        for i, s in enumerate(self._outgoing):
+            handle = self.host.handles.get(s)
+            if handle is None or self.executor.swap_done(handle):
+                done.append(i)
+            elif wait and not done:
+                self.executor.swap_wait(handle)
+                done.append(i)
+        for i in reversed(done):
+            self.memory -= self._outgoing.pop(i).nbytes
+
+    def _swap_in(self, s: Storage, prefetch: bool) -> None:
+        value, waited = self.executor.swap_in(self.host.handles[s])
+        if s in self._outgoing:  # back before its copy out was done: it was never freed
+            self._outgoing.remove(s)
+        else:
+            self.memory += s.nbytes
+        self.host.remove(s)
+        s.state = RESIDENT
+        self.resident[s] = None
+        s.root.value = value
+        s.last_access = self.clock
+        c = self.counters
+        c.swap_bytes_in += s.nbytes
+        if prefetch:
+            c.prefetches += 1
+        else:
+            c.swaps_in += 1
+            c.swap_stall += waited
+            self.host.log.swap_ins.append((self.clock, s.sid, s.nbytes))
+        if self.memory > self.peak:
+            self.peak = self.memory
+        if not prefetch and self.budget is not None and self.memory > self.budget:
+            s.locks += 1  # its reader has not locked it yet
+            try:
+                self._evict_to(self.budget, "swapping a tensor back in")
+            finally:
+                s.locks -= 1
+
+    def _leave_host(self, s: Storage) -> None:
+        if s in self._outgoing:
+            self._outgoing.remove(s)
+            self.memory -= s.nbytes
+        self.host.remove(s)
+
+    def _after_op(self, cost: float) -> None:
+        """Log the op's cost for the next block's prefetch timing; prefetch what the previous
+        block needed next, if it fits without evicting anything."""
+        host = self.host
+        host.log.costs.append(cost)
+        if self._outgoing:
+            self._poll_outgoing()
+        for s in host.due(self.clock):
+            if s.state is SWAPPED and (self.budget is None or self.memory + s.nbytes <= self.budget):
+                self._swap_in(s, prefetch=True)
+
     # ------------------------------------------------------------------ release
 
     def _release(self, s: Storage) -> None:
@@ -583,6 +715,8 @@ class Runtime:
             if s.state is RESIDENT:
                 del self.resident[s]
                 self.memory -= s.nbytes
+            elif s.state is SWAPPED:
+                self._leave_host(s)
             s.state = RELEASED
             del self._all[s]
             self._on_release(s)
@@ -673,7 +807,11 @@ class Runtime:
         change) and at block exit. Raises ``OutOfBudgetError`` (with nothing cut) if they do
         not fit in the budget together.
         """
-        self._make_permanent([s.root for s in self._all if s.refs > 0])
+        live = [s for s in self._all if s.refs > 0]
+        self._make_permanent([s.root for s in live if s.state is not SWAPPED])
+        for s in live:
+            if s.state is SWAPPED:  # its data is safe on the host: no need to bring it back
+                self.cut(s)
         self.counters.flushes += 1
 
     def _make_permanent(self, roots: List[Cell]) -> None:
@@ -742,6 +880,11 @@ class Runtime:
         self.resident.clear()
         self._all.clear()
         self.memory = 0
+        if self.host is not None:
+            self.host.handles.clear()
+            self.host.by_sid.clear()
+            self.host.bytes = 0
+            self._outgoing.clear()
 
     # ------------------------------------------------------------------ introspection
 
@@ -766,7 +909,7 @@ class Runtime:
 
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring. O(graph); for tests."""
-        memory = 0
+        memory = sum(s.nbytes for s in self._outgoing)
         for s in self.resident:
             assert s.state is RESIDENT, f"{s} is in the resident set"
             memory += s.nbytes
@@ -782,6 +925,9 @@ class Runtime:
                 assert rec is not None and rec.replayable, f"{s} is evicted but cannot be recomputed"
                 for i in rec.use_storages:
                     assert i.state is not RELEASED, f"{s} needs {i}, which was released"
+            elif s.state is SWAPPED:
+                assert s.root.value is None, f"{s} is swapped but its root holds a value"
+                assert s in self.host.handles, f"{s} is swapped but the host tier has no copy of it"
             else:
                 assert s.root.value is not None, f"{s} is {s.state.name} but its root is undefined"
             if s.refs == 0 and s.uses == 0:
@@ -806,6 +952,11 @@ class Runtime:
                 uses[i] = uses.get(i, 0) + 1
         for s in self._all:
             assert s.uses == uses.get(s, 0), f"{s} counts {s.uses} uses, the graph has {uses.get(s, 0)}"
+        if self.host is not None:
+            swapped = sum(s.nbytes for s in self._all if s.state is SWAPPED)
+            assert swapped == self.host.bytes, f"host tier counts {self.host.bytes} bytes, swapped storages {swapped}"
+            if self.host.limit is not None:
+                assert self.host.bytes <= self.host.limit, "host tier over its limit"
         if self.budget is not None:
             assert self.memory <= self.budget, (
                 f"resident {self.memory} bytes exceed the budget {self.budget} between ops"

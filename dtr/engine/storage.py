@@ -47,6 +47,9 @@ class State(enum.IntEnum):
     no longer counted, never evicted."""
     RELEASED = 3
     """Gone from the graph: the program dropped it and nothing can need it again."""
+    SWAPPED = 4
+    """Copied to the host tier (``dtr.budget(..., swap=True)``): not counted against the
+    budget, brought back on access (engine/swap.py)."""
 
 
 class Storage:

@@ -17,6 +17,12 @@ class Counters:
         "rematerializations",
         "remat_cost",
         "flushes",
+        "swaps_out",
+        "swaps_in",
+        "prefetches",
+        "swap_bytes_out",
+        "swap_bytes_in",
+        "swap_stall",
     )
 
     def __init__(self) -> None:
@@ -25,6 +31,12 @@ class Counters:
         self.rematerializations = 0
         self.remat_cost = 0.0
         self.flushes = 0
+        self.swaps_out = 0
+        self.swaps_in = 0  # synchronous: the program waited for them
+        self.prefetches = 0  # swap-ins ahead of need
+        self.swap_bytes_out = 0
+        self.swap_bytes_in = 0
+        self.swap_stall = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,12 @@ class Stats:
         budget: the budget in bytes, or None for "track, never evict".
         flushes: times the engine made live tensors resident and dropped their lineage
             (block exit, optimizer steps, in-place changes to tensors recorded ops read).
+        swaps_out: storages copied to the host tier instead of evicted (``swap=True``).
+        swaps_in: swapped storages brought back when the program needed them (it waited).
+        prefetches: swapped storages brought back ahead of need (the previous block's order).
+        swap_bytes_out, swap_bytes_in: bytes moved each way (prefetches included).
+        swap_stall_seconds: time the program waited for swap-ins.
+        host_peak_bytes: the most bytes held in the host tier at once.
     """
 
     ops: int
@@ -60,6 +78,13 @@ class Stats:
     constant_bytes: int
     budget: Optional[int]
     flushes: int
+    swaps_out: int = 0
+    swaps_in: int = 0
+    prefetches: int = 0
+    swap_bytes_out: int = 0
+    swap_bytes_in: int = 0
+    swap_stall_seconds: float = 0.0
+    host_peak_bytes: int = 0
 
     def __str__(self) -> str:
         parts = []

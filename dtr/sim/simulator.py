@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from dtr.config import parse_bytes
 from dtr.engine import Heuristic, OpRecord, Runtime, make_heuristic
+from dtr.engine.swap import HostTier
 from dtr.errors import OutOfBudgetError
 from dtr.sim.trace import Trace, load
 
@@ -39,6 +40,10 @@ class SimResult:
         base_cost: recorded cost of the trace's ops alone (the run with no recomputation).
         eager_evictions: storages evicted because the program had dropped them.
         error: why the simulation stopped, when it is not feasible.
+        swaps_out, swaps_in, prefetches: host-tier traffic (``swap=True``): copies out,
+            copies back that the program waited for, copies back ahead of need.
+        swap_stall: seconds waited for copies back, at the given bandwidth (copies out and
+            prefetches are assumed to overlap compute); included in ``total_cost``.
     """
 
     feasible: bool
@@ -50,6 +55,10 @@ class SimResult:
     base_cost: float = 0.0
     eager_evictions: int = 0
     error: Optional[str] = None
+    swaps_out: int = 0
+    swaps_in: int = 0
+    prefetches: int = 0
+    swap_stall: float = 0.0
 
     @property
     def slowdown(self) -> float:
@@ -70,6 +79,22 @@ class _Executor:
     def forget(rec: OpRecord) -> None:
         pass
 
+    @staticmethod
+    def swap_out(value):
+        return value
+
+    @staticmethod
+    def swap_done(handle) -> bool:
+        return True
+
+    @staticmethod
+    def swap_wait(handle) -> None:
+        pass
+
+    @staticmethod
+    def swap_in(handle):
+        return handle, 0.0  # the stall is modelled from the bytes (SimResult.swap_stall)
+
 
 class _Wrapper:
     """Stands for a tensor object the program held (the runtime keeps a weak reference)."""
@@ -81,6 +106,10 @@ def simulate(
     trace: Union[str, Path, Trace],
     budget: Union[int, str, None],
     heuristic: Union[str, Heuristic] = "dtr_eq",
+    *,
+    swap: bool = False,
+    bandwidth: Optional[float] = None,
+    host_limit: Union[int, str, None] = None,
 ) -> SimResult:
     """Replay ``trace`` (a path or a loaded ``Trace``) through the engine under ``budget``.
 
@@ -95,6 +124,8 @@ def simulate(
         trace: path of a trace written by ``dtr.budget(..., trace=path)``, or ``dtr.sim.load(path)``.
         budget: bytes, a size string ("800MB"), or None (no limit).
         heuristic: a registered name (``dtr.heuristic_names()``) or a heuristic object.
+        swap: also swap to a host tier (as ``dtr.budget(..., swap=True)``), at ``bandwidth``
+            bytes per second (required with swap), holding at most ``host_limit`` bytes.
 
     Returns:
         A ``SimResult``. An infeasible budget gives ``feasible=False``, not an exception.
@@ -105,11 +136,21 @@ def simulate(
     tr = load(trace)
     limit = parse_bytes(budget)
     make_heuristic(heuristic)  # fail on an unknown name before running anything
+    if swap and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
+        raise ValueError(f"dtr.simulate: swap=True needs a positive bandwidth in bytes per second, got {bandwidth!r}")
+    if not swap and (bandwidth is not None or host_limit is not None):
+        raise ValueError("dtr.simulate: bandwidth and host_limit apply to swapping; pass swap=True")
+    host_bytes = parse_bytes(host_limit)
+    log = None
+    swapped = [0, 0, 0]  # out, in, prefetched
+    stall = 0.0
     base = remat = 0.0
     peak = evictions = eager = remats = 0
     error = None
     for block in tr.blocks:
         rt = Runtime(limit, make_heuristic(heuristic), _Executor())
+        if swap:
+            rt.host = HostTier(bandwidth, host_bytes, log)
         try:
             base += _run_block(rt, block)
         except OutOfBudgetError as e:
@@ -121,11 +162,17 @@ def simulate(
             evictions += c.evictions
             eager += c.eager_evictions
             remats += c.rematerializations
+            swapped[0] += c.swaps_out
+            swapped[1] += c.swaps_in
+            swapped[2] += c.prefetches
+            if rt.host is not None:
+                log = rt.host.log
+                stall += sum(n for _, _, n in log.swap_ins) / bandwidth
         if error is not None:
             break
     return SimResult(
         feasible=error is None,
-        total_cost=base + remat,
+        total_cost=base + remat + stall,
         remat_cost=remat,
         peak_bytes=peak,
         evictions=evictions,
@@ -133,6 +180,10 @@ def simulate(
         base_cost=base,
         eager_evictions=eager,
         error=error,
+        swaps_out=swapped[0],
+        swaps_in=swapped[1],
+        prefetches=swapped[2],
+        swap_stall=stall,
     )
 
 

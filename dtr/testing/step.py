@@ -1,7 +1,8 @@
 """One training step run eagerly or under ``dtr.budget``, with everything needed to compare.
 
 ``run_step(workload, model, budget)`` seeds the RNG, clears gradients, runs forward and
-backward (inside the block when a budget is given: pass ``"eager"`` for no dtr at all) and
+backward (inside the block when a budget, or an ``Engine`` to enter again, is given: pass
+``"eager"`` for no dtr at all) and
 returns the loss, the gradients, the buffers and the engine's stats, so that tests can
 assert bitwise equality with eager and benchmarks can time it.
 """
@@ -37,7 +38,7 @@ def fresh_model(w: Workload) -> torch.nn.Module:
 def run_step(
     w: Workload,
     model: torch.nn.Module,
-    budget: Union[int, str, None] = "eager",
+    budget: Union[int, str, None, "dtr.Engine"] = "eager",
     *,
     seed: int = 1,
     **options,
@@ -52,7 +53,8 @@ def run_step(
         loss.backward()
         loss = loss.detach()
     else:
-        with dtr.budget(budget, **options) as engine:
+        engine = budget if isinstance(budget, dtr.Engine) else dtr.budget(budget, **options)
+        with engine:
             loss = w.loss_fn(model, w.batch)
             loss.backward()
             loss = dtr.materialize(loss)

@@ -1,0 +1,115 @@
+"""Copies between a storage and the host tier, for the runtime's swapping (engine/swap.py).
+
+On CUDA a swap-out copies the whole storage into a new pinned host buffer on a side stream,
+after the work that produced it (the side stream waits for the current one); the device tensor
+is held by the handle until the copy's event has completed, so its memory is never reused while
+the copy reads it. A swap-in copies back on the side stream into a new device buffer and makes
+the current stream wait for that copy's event: compute never reads a buffer before its copy has
+finished, without the host waiting. Each swap uses its own host buffer, so no buffer is reused
+before its copy has left.
+
+On CPU (no accelerator: the tests' machines) the host tier is a separate copy of the data, made
+synchronously; the same logic runs, without the overlap.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from dtr.eager.replay import clone_root
+
+__all__ = ["HostCopy", "swap_out", "swap_in", "measure_bandwidth"]
+
+_streams: Dict[torch.device, Any] = {}
+_bandwidth: Dict[str, float] = {}
+
+
+class HostCopy:
+    """A storage's data on the host, and how to view it again."""
+
+    __slots__ = ("host", "size", "stride", "offset", "dtype", "device", "event", "pending")
+
+    def __init__(self, host: torch.Tensor, like: torch.Tensor, event=None, pending=None) -> None:
+        self.host = host
+        self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
+        self.dtype, self.device = like.dtype, like.device
+        self.event = event  # CUDA: the copy's completion
+        self.pending = pending  # CUDA: the device tensor, held until the copy has read it
+
+    def done(self) -> bool:
+        """Whether the copy out has finished (the device memory can be reused)."""
+        if self.pending is not None and self.event.query():
+            self.pending = None
+        return self.pending is None
+
+
+def _side_stream(device: torch.device):
+    s = _streams.get(device)
+    if s is None:
+        s = _streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def swap_out(value: torch.Tensor) -> HostCopy:
+    """Start copying ``value``'s storage to the host."""
+    if value.device.type != "cuda":
+        return HostCopy(clone_root(value), value)
+    storage = value.untyped_storage()
+    src = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage)
+    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+    stream = _side_stream(value.device)
+    stream.wait_stream(torch.cuda.current_stream(value.device))
+    with torch.cuda.stream(stream):
+        host.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return HostCopy(host, value, event, pending=src)
+
+
+def swap_in(copy: HostCopy) -> Tuple[torch.Tensor, float]:
+    """The data back as a tensor viewed like the original; and the seconds the host waited."""
+    t0 = time.perf_counter()
+    if copy.device.type != "cuda":
+        return copy.host, time.perf_counter() - t0
+    stream = _side_stream(copy.device)
+    buf = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
+    stream.wait_stream(torch.cuda.current_stream(copy.device))
+    with torch.cuda.stream(stream):
+        buf.copy_(copy.host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    torch.cuda.current_stream(copy.device).wait_event(event)
+    buf.record_stream(torch.cuda.current_stream(copy.device))
+    value = torch.empty(0, dtype=copy.dtype, device=copy.device).set_(
+        buf.untyped_storage(), copy.offset, copy.size, copy.stride
+    )
+    return value, time.perf_counter() - t0
+
+
+def measure_bandwidth(device: Optional[torch.device] = None, nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second of one copy direction to the host tier, measured once per device
+    type: a pinned device-to-host copy on CUDA, a memory copy on CPU."""
+    kind = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind in _bandwidth:
+        return _bandwidth[kind]
+    with torch._C._DisableTorchDispatch():
+        if kind == "cuda":
+            src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+        else:
+            src = torch.empty(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    _bandwidth[kind] = nbytes / max(seconds, 1e-9)
+    return _bandwidth[kind]

@@ -1,0 +1,146 @@
+"""``dtr.budget(..., swap=True)``: swapping to the host tier as an alternative to eviction.
+
+On CPU the host tier is a separate copy of the data; everything but the overlap of copies with
+compute is exercised here. A very high bandwidth makes swapping cheaper than any recomputation,
+a very low one makes it dearer, so that tests can steer the choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtr
+from dtr.testing import zoo
+from dtr.testing.step import assert_same, fresh_model, run_step
+
+FAST = 1e15  # bytes/s: swapping costs next to nothing
+SLOW = 1.0  # bytes/s: swapping costs more than any recomputation
+
+
+def _peak(w):
+    return run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_swapping_gives_eager_gradients(name):
+    w = zoo.build(name, "tiny")
+    eager = run_step(w, fresh_model(w), "eager")
+    got = run_step(w, fresh_model(w), int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=FAST)
+    assert_same(got, eager)
+    s = got.stats
+    assert s.swaps_out > 0 and s.swaps_in + s.prefetches > 0
+    assert s.swap_bytes_out > 0 and s.host_peak_bytes > 0
+
+
+def test_the_cheaper_of_swap_and_recompute_is_chosen():
+    w = zoo.build("mlp", "tiny")
+    budget = int(_peak(w) * 0.4)
+    slow = run_step(w, fresh_model(w), budget, cost="estimate", swap=True, bandwidth=SLOW).stats
+    plain = run_step(w, fresh_model(w), budget, cost="estimate").stats
+    assert slow.swaps_out == 0 and slow.evictions == plain.evictions
+    fast = run_step(w, fresh_model(w), budget, cost="estimate", swap=True, bandwidth=FAST).stats
+    assert fast.swaps_out > 0 and fast.rematerializations < plain.rematerializations
+
+
+def _held_after_a_flush(budget, **options):
+    """Tensors the program holds across ``optimizer.step()`` lose their lineage (they can no
+    longer be recomputed); then the step makes a tensor that does not fit beside them."""
+    x = torch.randn(64, 64)
+    w = torch.randn(64, 64, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def program():
+        held = [x @ w.detach() + i for i in range(8)]
+        (x @ w).sum().backward()
+        opt.step()  # the lineage of everything held is cut here
+        torch.manual_seed(0)
+        big = torch.randn(64, 3 * 64)
+        return big.sum() + sum(h.sum() for h in held)
+
+    with torch.no_grad():
+        w0 = w.detach().clone()
+    expected = program()
+    with torch.no_grad():
+        w.copy_(w0)
+    w.grad = None
+    with dtr.budget(budget, cost="estimate", **options) as engine:
+        total = program()
+    return total, expected, engine.stats()
+
+
+def test_only_swapping_can_hold_tensors_that_cannot_be_recomputed():
+    budget = 10 * 64 * 64 * 4  # the 8 held tensors fit, not with 3 more beside them
+    with pytest.raises(dtr.OutOfBudgetError):
+        _held_after_a_flush(budget)
+    total, expected, stats = _held_after_a_flush(budget, swap=True, bandwidth=FAST)
+    assert torch.equal(dtr.materialize(total), expected)
+    assert stats.swaps_out > 0 and stats.swaps_in > 0
+
+
+def test_host_limit_is_respected_then_evicting_takes_over():
+    w = zoo.build("mlp", "tiny")
+    eager = run_step(w, fresh_model(w), "eager")
+    budget = int(_peak(w) * 0.4)
+    limit = 64 * 1024
+    got = run_step(w, fresh_model(w), budget, cost="estimate", swap=True, bandwidth=FAST, host_limit=limit)
+    assert_same(got, eager)
+    assert 0 < got.stats.host_peak_bytes <= limit
+    assert got.stats.evictions > 0
+    with pytest.raises(ValueError, match="host_limit"):
+        dtr.budget(budget, swap=True, host_limit="lots")
+    with pytest.raises(ValueError, match="swap"):
+        dtr.budget(budget, host_limit=limit)  # host_limit without swap=True
+
+
+def test_prefetch_reduces_synchronous_swap_ins_on_the_next_step():
+    w = zoo.build("transformer", "tiny")
+    eager = run_step(w, fresh_model(w), "eager")
+    model = fresh_model(w)
+    engine = dtr.budget(int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=FAST)
+    per_step = []
+    for _ in range(2):
+        before = engine.stats()
+        got = run_step(w, model, engine)
+        assert_same(got, eager)
+        after = engine.stats()
+        per_step.append((after.swaps_in - before.swaps_in, after.prefetches - before.prefetches))
+    (sync1, pre1), (sync2, pre2) = per_step
+    assert pre1 == 0 and sync1 > 0
+    assert pre2 > 0 and sync2 < sync1
+
+
+def test_simulated_swapping_repeats_the_real_run(tmp_path):
+    w = zoo.build("resnet", "tiny")
+    budget = int(_peak(w) * 0.4)
+    path = tmp_path / "t.jsonl"
+    real = run_step(w, fresh_model(w), budget, cost="estimate", swap=True, bandwidth=FAST, trace=path).stats
+    sim = dtr.simulate(path, budget, swap=True, bandwidth=FAST)
+    assert sim.feasible
+    assert (sim.swaps_out, sim.swaps_in, sim.evictions, sim.rematerializations, sim.peak_bytes) == (
+        real.swaps_out, real.swaps_in, real.evictions, real.rematerializations, real.peak_resident_bytes)
+    no_swap = dtr.simulate(path, budget)
+    assert no_swap.swaps_out == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_swaps_are_ordered_by_events():
+    """Copies run on a side stream; compute after a swap-in must see the copied data."""
+    x = torch.randn(256, 256, device="cuda")
+    ws = [torch.randn(256, 256, device="cuda", requires_grad=True) for _ in range(6)]
+
+    def step():
+        y = x
+        for w in ws:
+            y = torch.tanh(y @ w)
+        y.sum().backward()
+        return [w.grad.clone() for w in ws]
+
+    eager = step()
+    for w in ws:
+        w.grad = None
+    with dtr.budget(3 * 256 * 256 * 4, swap=True, bandwidth=FAST) as engine:
+        got = step()
+    assert engine.stats().swaps_out > 0
+    for g, e in zip(got, eager):
+        assert torch.equal(g, e)
