@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import dtr
 from dtr.planner import checkpoint_sequential, store_all
 from dtr.planner import simulate as simulate_plan
 from dtr.testing import zoo
-from dtr.testing.step import fresh_model
+from dtr.testing.step import fresh_model, timed_step
 
 from provenance import commit, machine
 
@@ -51,31 +50,23 @@ SEGMENTS = {"mlp": lambda m: m.body, "resnet": lambda m: m.blocks, "transformer"
 RESULTS = Path(__file__).parent / "results"
 
 
-def step(w, model, engine=None) -> float:
-    """One training step (in ``engine``'s block when given); its wall time."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    t0 = time.perf_counter()
-    if engine is None:
-        w.loss_fn(model, w.batch).backward()
-    else:
-        with engine:
-            w.loss_fn(model, w.batch).backward()
-    return time.perf_counter() - t0
-
-
-def traced(engine, path: Path) -> None:
-    """Make ``engine`` record its next block into ``path``."""
-    engine._trace, engine._traced_blocks = str(path), 0
+def steps(w, model, engine, repeats: int, path: Path):
+    """``repeats`` steps in ``engine``, the last one traced into ``path``: (median wall time,
+    the simulation of the traced step at the engine's budget)."""
+    walls = [timed_step(w, model, engine) for _ in range(repeats - 1)]
+    engine.trace = path
+    walls.append(timed_step(w, model, engine))
+    engine.trace = None
+    return statistics.median(walls), dtr.simulate(path, engine.budget)
 
 
 def measure(name: str, fractions, repeats: int, size: str, tmp: Path):
     w = zoo.build(name, size)
     model = fresh_model(w)
-    step(w, model)  # warm-up: first calls allocate and initialize kernels
-    eager = statistics.median(step(w, model) for _ in range(repeats))
+    timed_step(w, model)  # warm-up: first calls allocate and initialize kernels
+    eager = statistics.median(timed_step(w, model) for _ in range(repeats))
     probe = dtr.budget(None, cost="estimate")
-    step(w, model, probe)
+    timed_step(w, model, probe)
     peak = probe.stats().peak_resident_bytes
     for f in fractions:
         budget = int(peak * f)
@@ -84,16 +75,11 @@ def measure(name: str, fractions, repeats: int, size: str, tmp: Path):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                step(w, model, seeded)  # profiling step
+                timed_step(w, model, seeded)  # profiling step
             (plans,) = seeded.plans()
             plan = next(iter(plans.values()), None)
-            walls = []
-            for i in range(repeats):
-                if i == repeats - 1:
-                    traced(seeded, tmp / "seeded.jsonl")
-                walls.append(step(w, model, seeded))
-            sim = dtr.simulate(tmp / "seeded.jsonl", budget)
-            row.update(seeded_ratio=sim.slowdown, seeded_wall=statistics.median(walls) / eager,
+            wall, sim = steps(w, model, seeded, repeats, tmp / "seeded.jsonl")
+            row.update(seeded_ratio=sim.slowdown, seeded_wall=wall / eager,
                        seeded_feasible=sim.feasible, planned=plan is not None)
             if plan is not None:
                 (chain, _, _), = seeded._seeding.segments[0].profiles.values()
@@ -107,13 +93,8 @@ def measure(name: str, fractions, repeats: int, size: str, tmp: Path):
             row["seeded_status"] = "out of budget"
         plain = dtr.budget(budget, cost="estimate")
         try:
-            walls = []
-            for i in range(repeats):
-                if i == repeats - 1:
-                    traced(plain, tmp / "plain.jsonl")
-                walls.append(step(w, model, plain))
-            sim = dtr.simulate(tmp / "plain.jsonl", budget)
-            row.update(plain_ratio=sim.slowdown, plain_wall=statistics.median(walls) / eager)
+            wall, sim = steps(w, model, plain, repeats, tmp / "plain.jsonl")
+            row.update(plain_ratio=sim.slowdown, plain_wall=wall / eager)
         except dtr.OutOfBudgetError:
             row["plain_status"] = "out of budget"
         yield row

@@ -69,10 +69,7 @@ class Engine:
         if cost not in COST_MODES:
             raise ValueError(f"dtr.budget: cost must be one of {COST_MODES}, got {cost!r}")
         self._cost = cost
-        if trace is not None and not isinstance(trace, (str, os.PathLike)):
-            raise ValueError(f"dtr.budget: trace must be a file path, got {trace!r}")
-        self._trace = trace
-        self._traced_blocks = 0
+        self.trace = trace
         self._seeding = Seeding(segments_of(plan)) if plan is not None else None
         if not isinstance(swap, bool):
             raise ValueError(f"dtr.budget: swap must be True or False, got {swap!r}")
@@ -114,6 +111,19 @@ class Engine:
         self._budget = b
         if self._seeding is not None and d is not None:
             self._seeding.budget = b  # plans are solved per budget (cached)
+
+    @property
+    def trace(self) -> Union[str, "os.PathLike[str]", None]:
+        """The trace file the engine's blocks are recorded into, or None. Setting it (also to
+        None) takes effect at the next block; a new path starts a new file."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, path: Union[str, "os.PathLike[str]", None]) -> None:
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"dtr.budget: trace must be a file path, got {path!r}")
+        self._trace = path
+        self._traced_blocks = 0
 
     # ---------------------------------------------------------------- block
 

@@ -43,7 +43,7 @@ def _steps(w, model, engine, n, path=None):
     results = []
     for i in range(n):
         if path is not None and i == n - 1:
-            engine._trace, engine._traced_blocks = path, 0  # record only the last block
+            engine.trace = path  # record only the last block
         results.append(run_step_in(w, model, engine))
     return results
 

@@ -175,12 +175,16 @@ class Runtime:
         """Apply queued wrapper deaths: eager eviction or release of unreferenced storages."""
         dead = self._dead
         while dead:
-            s = dead.popleft().storage
-            while s.forward is not None:
-                s = s.forward
-            s.refs -= 1
-            if s.refs == 0:
-                self._unreferenced(s)
+            self._death(dead.popleft())
+
+    def _death(self, cell: Cell) -> None:
+        """A wrapper over ``cell`` died: its storage (the newest version) loses a reference."""
+        s = cell.storage
+        while s.forward is not None:
+            s = s.forward
+        s.refs -= 1
+        if s.refs == 0:
+            self._unreferenced(s)
 
     def _unreferenced(self, s: Storage) -> None:
         if s.locks:

@@ -71,12 +71,7 @@ class RecordingRuntime(Runtime):
             cell, rid = dead.popleft()
             if not self._depth:
                 self._emit({"e": "free", "ref": rid})
-            s = cell.storage
-            while s.forward is not None:
-                s = s.forward
-            s.refs -= 1
-            if s.refs == 0:
-                self._unreferenced(s)
+            self._death(cell)
 
     def resolve(self, cell: Cell) -> Cell:
         out = super().resolve(cell)

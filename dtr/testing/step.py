@@ -10,6 +10,7 @@ assert bitwise equality with eager and benchmarks can time it.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
@@ -19,7 +20,7 @@ import dtr
 from dtr.engine import Stats
 from dtr.testing.zoo import Workload
 
-__all__ = ["StepResult", "run_step", "fresh_model", "assert_same"]
+__all__ = ["StepResult", "run_step", "timed_step", "fresh_model", "assert_same"]
 
 
 @dataclass
@@ -65,6 +66,20 @@ def run_step(
         [b.detach().clone() for b in model.buffers()],
         stats,
     )
+
+
+def timed_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine"] = None) -> float:
+    """Wall seconds of one forward + backward step of ``w`` (in ``engine``'s block when given),
+    for benchmarks: gradients are cleared first and the RNG seeded as in ``run_step``."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    t0 = time.perf_counter()
+    if engine is None:
+        w.loss_fn(model, w.batch).backward()
+    else:
+        with engine:
+            w.loss_fn(model, w.batch).backward()
+    return time.perf_counter() - t0
 
 
 def assert_same(a: StepResult, b: StepResult) -> None:
