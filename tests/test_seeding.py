@@ -26,7 +26,7 @@ def test_hints_of_the_papers_toy_plan():
         StageHint(drop_tape=True, drop_input=False, pin_output=False),  # a^1 is dropped by F_none^2
         StageHint(drop_tape=True, drop_input=True, pin_output=True),
         StageHint(drop_tape=True, drop_input=False, pin_output=True),
-        StageHint(drop_tape=False, drop_input=False, pin_output=False),
+        StageHint(drop_tape=False, drop_input=False, pin_output=True),
     ]
     with pytest.raises(ValueError, match="runs 2 of 3 stages"):
         forward_hints([("F_all", 1), ("F_all", 2), ("B", 2)], 3)
