@@ -33,6 +33,7 @@ import dtr
 from dtr.engine import Heuristic
 from dtr.sim import load
 
+from bench_runtime import RunTimeout, time_limit
 from provenance import commit, machine
 
 HERE = Path(__file__).parent
@@ -51,7 +52,16 @@ class NeverEvict(Heuristic):
         return float("inf")
 
 
-def simulated(traces: Path, models, out, base):
+def _simulate(limit: float, *args, **kwargs):
+    """``dtr.simulate`` within ``limit`` seconds (a thrashing policy can take minutes), or None."""
+    try:
+        with time_limit(limit):
+            return dtr.simulate(*args, **kwargs)
+    except RunTimeout:
+        return None
+
+
+def simulated(traces: Path, models, out, base, limit: float):
     rows = []
     print(f"{'model':<12} {'GB/s':>5} {'frac':>5} {'remat':>8} {'swap':>8} {'combined':>8} {'swaps':>6} {'evict':>6}  target")
     for name in models:
@@ -61,27 +71,37 @@ def simulated(traces: Path, models, out, base):
             continue
         trace = load(path)
         peak = dtr.simulate(trace, None).peak_bytes
+        remat = {}  # fraction -> the remat-only result (it does not depend on the bandwidth)
         for bw in BANDWIDTHS:
             for f in FRACTIONS:
                 budget = int(peak * f)
-                r = dtr.simulate(trace, budget)
-                s = dtr.simulate(trace, budget, heuristic=NeverEvict(), swap=True, bandwidth=bw)
-                c = dtr.simulate(trace, budget, swap=True, bandwidth=bw)
-                alone = [x.slowdown for x in (r, s) if x.feasible]
+                if f not in remat:
+                    remat[f] = _simulate(limit, trace, budget)
+                r = remat[f]
+                s = _simulate(limit, trace, budget, heuristic=NeverEvict(), swap=True, bandwidth=bw)
+                c = _simulate(limit, trace, budget, swap=True, bandwidth=bw)
+                ok = lambda x: x is not None and x.feasible
+                alone = [x.slowdown for x in (r, s) if ok(x)]
                 # Met: combined runs wherever either alone does, and is no slower than the best.
-                met = c.feasible and c.slowdown <= min(alone) * (1 + 1e-9) if alone else None
+                met = (ok(c) and c.slowdown <= min(alone) * (1 + 1e-9)) if alone else None
                 row = {**base, "section": "sim", "model": name, "bandwidth": bw, "fraction": f, "budget_bytes": budget,
-                       "remat": r.slowdown if r.feasible else None, "swap": s.slowdown if s.feasible else None,
-                       "combined": c.slowdown if c.feasible else None, "combined_swaps_out": c.swaps_out,
-                       "combined_evictions": c.evictions, "combined_prefetches": c.prefetches,
-                       "combined_stall": c.swap_stall, "target_met": met}
+                       "remat": _slowdown(r), "swap": _slowdown(s), "combined": _slowdown(c), "target_met": met}
+                if c is not None:
+                    row.update(combined_swaps_out=c.swaps_out, combined_evictions=c.evictions,
+                               combined_prefetches=c.prefetches, combined_stall=c.swap_stall)
                 out.write(json.dumps(row) + "\n")
                 rows.append(row)
-                fmt = lambda v: f"{v:>8.3f}" if v is not None else f"{'infeas.':>8}"
+                fmt = lambda v: f"{v:>8.3f}" if isinstance(v, float) else f"{v:>8}"
                 print(f"{name:<12} {bw / 1e9:>5.0f} {f:>5.2f} {fmt(row['remat'])} {fmt(row['swap'])} "
-                      f"{fmt(row['combined'])} {c.swaps_out:>6} {c.evictions:>6}  {_verdict(met)}",
-                      flush=True)
+                      f"{fmt(row['combined'])} {row.get('combined_swaps_out', '-'):>6} "
+                      f"{row.get('combined_evictions', '-'):>6}  {_verdict(met)}", flush=True)
     return rows
+
+
+def _slowdown(r):
+    if r is None:
+        return "timeout"
+    return r.slowdown if r.feasible else "infeas."
 
 
 def _verdict(met) -> str:
@@ -137,7 +157,7 @@ def plot(rows, path: Path) -> bool:
             ax = axes[i][j]
             rs = sorted((r for r in rows if r["model"] == name and r["bandwidth"] == bw), key=lambda r: r["fraction"])
             for key, style in (("remat", "s-"), ("swap", "^-"), ("combined", "o-")):
-                pts = [(r["fraction"], r[key]) for r in rs if r[key] is not None]
+                pts = [(r["fraction"], r[key]) for r in rs if isinstance(r[key], float)]
                 if pts:
                     ax.plot(*zip(*pts), style, label=key, markersize=4)
             ax.set_title(f"{name}, {bw / 1e9:.0f} GB/s", fontsize=9)
@@ -161,13 +181,14 @@ def main() -> None:
     ap.add_argument("--real-models", nargs="+", default=["mlp", "transformer"])
     ap.add_argument("--real-fractions", nargs="+", type=float, default=[0.5, 0.3])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--time-limit", type=float, default=60, help="seconds per simulation")
     ap.add_argument("--out", default=str(RESULTS / "swap.jsonl"))
     args = ap.parse_args()
     traces = Path(args.traces)
     models = args.models or sorted(p.name.split(".")[0] for p in traces.glob("*.jsonl.gz"))
     base = {"commit": commit(), "machine": machine()}
     with open(args.out, "a") as out:
-        rows = simulated(traces, models, out, base)
+        rows = simulated(traces, models, out, base, args.time_limit)
         if args.real:
             base["load"] = round(os.getloadavg()[0], 2)
             real(args.real_models, args.real_fractions, args.repeats, out, base)

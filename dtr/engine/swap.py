@@ -5,8 +5,11 @@ Note [Swap or evict]
 When the budget is exceeded, every resident unlocked storage is a candidate. A recomputable one
 can be evicted, at the cost the heuristic puts in its score (for the DTR family, the replay cost
 of the storage and its evicted neighbourhood, per byte and staleness); any one can be swapped
-(copied to the host and back later), at ``2 * bytes / bandwidth`` per the same byte and
-staleness, if the host tier has room. Each candidate takes the cheaper of the two, and the
+(copied to the host and back later), at ``bytes / bandwidth`` per the same byte and staleness,
+if the host tier has room. That is the copy back, which the program may wait for; the copy out
+runs beside compute on an accelerator (the simulator counts swaps the same way). An earlier
+version charged both directions: in simulation it then evicted tensors whose copy back would
+have cost less than their recomputation, and the combination lost to swapping alone. Each candidate takes the cheaper of the two, and the
 cheapest candidate goes first. Storages the engine cannot recompute (outputs of ops with side
 effects, storages whose lineage was cut) can only be swapped. The comparison is exact for scores
 of the form cost / (bytes * staleness) (h_DTR, h_DTR^eq, h_DTR-local, MSPS); other heuristics'
@@ -73,8 +76,8 @@ class HostTier:
         self._schedule = previous.prefetch_schedule(self.bandwidth) if previous is not None else {}
 
     def swap_cost(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` out and back in."""
-        return 2.0 * nbytes / self.bandwidth
+        """Seconds the program may wait to get ``nbytes`` back (Note [Swap or evict])."""
+        return nbytes / self.bandwidth
 
     def fits(self, nbytes: int) -> bool:
         return self.limit is None or self.bytes + nbytes <= self.limit
