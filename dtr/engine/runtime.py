@@ -32,6 +32,7 @@ from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
+from dtr.engine.candidates import CandidateIndex
 from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
 from dtr.engine.swap import HostTier
@@ -105,6 +106,12 @@ def _add_view(s: Storage, c: Cell) -> None:
         views[:] = [w for w in views if w() is not None]
 
 
+def _keyed(heuristic: Any) -> bool:
+    """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
+    its score from it (heuristics.py, Note [Keys])."""
+    return callable(getattr(heuristic, "key", None)) and type(heuristic).score is Heuristic.score
+
+
 def _deepest(cells: List[Cell]) -> Cell:
     """The missing input whose recomputation looks deepest: the most missing inputs of its
     own parent (one level of lookahead; Note [Order of rematerialization])."""
@@ -135,6 +142,8 @@ class Runtime:
         self._on_evict = getattr(heuristic, "on_evict", _noop)
         self._on_materialize = getattr(heuristic, "on_materialize", _noop)
         self._on_release = getattr(heuristic, "on_release", _noop)
+        self._keyed = _keyed(heuristic)
+        self._index: Optional[CandidateIndex] = None  # made by the first eviction round
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
@@ -518,33 +527,48 @@ class Runtime:
     # ------------------------------------------------------------------ eviction
 
     def _evict_to(self, target: int, opname: str) -> None:
-        """Evict lowest-scoring candidates until ``memory <= target``.
+        """Evict candidates (resident, unlocked, recomputable storages) with the lowest
+        score until ``memory <= target``: by (score, sid) when rescoring, within a relative
+        1e-5 of the lowest score with the candidate index (Note [Candidate index]).
 
-        Scores are computed once per call and kept in a heap; a popped candidate is re-scored
-        and re-inserted if its score grew past the next one (sound because of the heuristic
-        contract: evictions at a fixed clock only raise other scores). O(n log n) for n
-        resident storages, plus O(k log n) re-checks for k evictions.
+        Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
+        only when nothing larger can go: evicting them frees next to nothing, and recomputing
+        one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
+        outright).
 
-        Storages under 1% of the candidates' mean size are a last resort, tried only when
-        nothing larger can go: evicting them frees next to nothing, and recomputing one (a
-        scalar loss, say) can take a long chain (the DTR prototype ignored them outright).
+        With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
+        index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
+        plus a few ``key`` calls per eviction. Otherwise every candidate is scored once per
+        call into a heap, and a popped candidate is re-scored and re-inserted if its score grew
+        past the next one (sound because of the heuristic contract: evictions at a fixed clock
+        only raise other scores): O(n log n) for n resident storages, plus O(k log n) re-checks
+        for k evictions.
         """
         if self.memory <= target:
+            return
+        if self.host is None and self._keyed:
+            index = self._index
+            if index is None:
+                index = self._index = CandidateIndex(self.heuristic)
+            index.begin(self.resident, self.clock, self._small_below())
+            while self.memory > target:
+                s = index.pick()
+                if s is None:
+                    raise self._out_of_budget(target, opname)
+                self._evict(s)
+                self.counters.evictions += 1
             return
         now = self.clock
         host = self.host
         score = self._score if host is None else self._swap_or_evict_key
-        candidates = []
-        total = 0
+        small_below = self._small_below()
+        heap = []
+        small = []
         for s in self.resident:
             if s.locks == 0:
                 rec = s.root.parent
                 if (rec is not None and rec.replayable) or host is not None:
-                    candidates.append(s)
-                    total += s.nbytes
-        small_below = total / (100 * len(candidates)) if candidates else 0
-        heap = [(score(s, now), s.sid, s) for s in candidates if s.nbytes >= small_below]
-        small = [(score(s, now), s.sid, s) for s in candidates if s.nbytes < small_below]
+                    (heap if s.nbytes >= small_below else small).append((score(s, now), s.sid, s))
         heapify(heap)
         while self.memory > target:
             while True:
@@ -564,7 +588,7 @@ class Runtime:
                 cur = score(s, now)
                 if cur == _NEVER:
                     continue
-                if cur > old and heap and cur > heap[0][0]:
+                if cur > old and heap and (cur, sid) > heap[0][:2]:
                     heappush(heap, (cur, sid, s))
                     continue
                 break
@@ -573,6 +597,12 @@ class Runtime:
             else:
                 self._evict(s)
                 self.counters.evictions += 1
+
+    def _small_below(self) -> float:
+        """The size under which a storage is a last-resort candidate: 1% of the mean resident
+        storage. O(1)."""
+        n = len(self.resident)
+        return self.memory / (100 * n) if n else 0.0
 
     def _swap_or_evict_key(self, s: Storage, now: int) -> float:
         """With a host tier: the lower of the heuristic's score (if ``s`` can be recomputed) and
@@ -602,6 +632,8 @@ class Runtime:
                 pass
 
     def _evict(self, s: Storage) -> None:
+        if s.slot is not None:  # it has a row in the candidate index
+            self._index.drop(s)  # type: ignore[union-attr]
         del self.resident[s]
         self.memory -= s.nbytes
         s.state = EVICTED
@@ -883,6 +915,7 @@ class Runtime:
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
+        self._index = None
         self.memory = 0
         if self.host is not None:
             self.host.handles.clear()
@@ -965,6 +998,8 @@ class Runtime:
             assert self.memory <= self.budget, (
                 f"resident {self.memory} bytes exceed the budget {self.budget} between ops"
             )
+        if self._index is not None:
+            self._index.check(self.resident)
         check = getattr(self.heuristic, "check_invariants", None)
         if check is not None:
             check(self)

@@ -75,6 +75,7 @@ class Storage:
         "forward",
         "runtime",
         "hdata",
+        "slot",
         "__weakref__",
     )
 
@@ -98,6 +99,7 @@ class Storage:
         self.dependents: Union[tuple, dict] = ()
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
+        self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
 
     @property
     def parent(self) -> Optional["OpRecord"]:
