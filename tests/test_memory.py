@@ -13,23 +13,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
+from dtr.testing.memory import memory_events, peak_bytes
 from dtr.testing.step import fresh_model
 from dtr.testing.zoo import build
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
-
-
-def _memory_events(prof):
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    return sorted((e.start_ns(), e.nbytes()) for e in events)
-
-
-def _peak(events):
-    total = peak = 0
-    for _, nbytes in events:
-        total += nbytes
-        peak = max(peak, total)
-    return peak
 
 
 def _storages(x, out):
@@ -69,7 +57,7 @@ def _largest_working_set(w, model):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with windows:
             w.loss_fn(model, w.batch).backward()
-    mem = _memory_events(prof)
+    mem = memory_events(prof)
     spans = {}
     for e in prof.profiler.kineto_results.events():
         if e.name().startswith("dtr-op-"):
@@ -83,7 +71,7 @@ def _largest_working_set(w, model):
                 peak = max(peak, level)
         largest = max(largest, windows.inputs[i] + peak - sum(n for t, n in mem if t < start))
     model.zero_grad(set_to_none=False)
-    return largest, windows.random_ops, _peak(mem)
+    return largest, windows.random_ops, peak_bytes(mem)
 
 
 def _true_peak(w, model, budget):
@@ -92,7 +80,7 @@ def _true_peak(w, model, budget):
         with dtr.budget(budget, cost="estimate") as engine:
             w.loss_fn(model, w.batch).backward()
     model.zero_grad(set_to_none=False)
-    return _peak(_memory_events(prof)), engine.stats()
+    return peak_bytes(memory_events(prof)), engine.stats()
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "cnn", "resnet"])

@@ -1,0 +1,39 @@
+"""The true peak of some code, measured independently of dtr: torch.profiler's CPU allocation events.
+
+dtr's own byte count (``Engine.stats().peak_resident_bytes``) cannot check itself, and misses
+what kernels allocate internally. The profiler sees every allocation and free of the
+allocator, so the running sum of its ``[memory]`` events, in time order, is the true number of
+bytes allocated since profiling started (for tests, and for the benchmarks' measured peaks).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Tuple
+
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["memory_events", "peak_bytes", "profiled_peak"]
+
+
+def memory_events(prof) -> List[Tuple[int, int]]:
+    """``(time in ns, bytes)`` of each allocation (positive) and free (negative) a finished
+    ``torch.profiler.profile(profile_memory=True)`` saw, in time order."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return sorted((e.start_ns(), e.nbytes()) for e in events)
+
+
+def peak_bytes(events: Iterable[Tuple[int, int]]) -> int:
+    """The highest running sum of ``events``' bytes: the most bytes allocated at once since
+    profiling started (memory allocated before and freed during can make the sum negative)."""
+    total = peak = 0
+    for _, nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
+
+
+def profiled_peak(fn: Callable[[], object]) -> int:
+    """Run ``fn()`` under the profiler; the most bytes it had allocated at once."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return peak_bytes(memory_events(prof))

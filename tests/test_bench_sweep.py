@@ -1,0 +1,25 @@
+"""The budget sweep's simulated section on a shipped trace: the rows it writes, in a second or two."""
+
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # benchmark scripts import their siblings by name
+
+import bench_sweep  # noqa: E402
+
+
+def test_simulated_sweep_rows():
+    rows = list(bench_sweep.sweep_trace(bench_sweep.TRACES / "cnn.jsonl.gz", ["dtr_eq"], [1.0, 0.5], limit=30))
+    assert [r["fraction"] for r in rows] == [1.0, 0.5]
+    for r in rows:
+        assert r["section"] == "sim" and r["model"] == "cnn" and r["heuristic"] == "dtr_eq"
+        assert r["status"] == "ok" and r["feasible"]
+        assert r["budget_bytes"] == int(r["unlimited_peak_bytes"] * r["fraction"])
+        assert r["peak_bytes"] <= r["unlimited_peak_bytes"]
+        for key in ("slowdown", "evictions", "remats", "total_cost", "base_cost", "sim_s"):
+            assert key in r
+    full, half = rows
+    assert full["slowdown"] == 1.0 and full["remats"] == 0
+    assert half["slowdown"] > 1.0 and half["evictions"] > 0
+    assert bench_sweep.lowest_before(rows) == 0.5
