@@ -394,8 +394,16 @@ def summarize(rows: List[dict]) -> None:
         for section in ("sim", "real"):
             match = [r for r in rows if r["section"] == section and r["model"] == model
                      and r["heuristic"] == TARGET_HEURISTIC and r["fraction"] == fraction]
+            swept = [r for r in rows if r["section"] == section and r["model"] == model
+                     and r["heuristic"] == TARGET_HEURISTIC]
             if match:
-                print(f"{model:<12} {section:<5} <= {target:.2f}x at {fraction:.2f}: {_verdict(match[-1], target)}")
+                verdict = _verdict(match[-1], target)
+            elif swept:  # the sweep stopped above the target's fraction
+                last = min(swept, key=lambda r: r["fraction"])
+                verdict = f"NOT met (not reached: {last['status']} at {last['fraction']:.2f})"
+            else:
+                continue
+            print(f"{model:<12} {section:<5} <= {target:.2f}x at {fraction:.2f}: {verdict}")
 
 
 def _verdict(row: dict, target: float) -> str:
