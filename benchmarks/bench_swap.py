@@ -76,7 +76,9 @@ def simulated(traces: Path, models, out, base, limit: float):
             for f in FRACTIONS:
                 budget = int(peak * f)
                 if f not in remat:
-                    remat[f] = _simulate(limit, trace, budget)
+                    # Below a fraction where remat-only timed out it only thrashes harder: skip.
+                    gave_up = any(g > f and remat[g] is None for g in remat)
+                    remat[f] = None if gave_up else _simulate(limit, trace, budget)
                 r = remat[f]
                 s = _simulate(limit, trace, budget, heuristic=NeverEvict(), swap=True, bandwidth=bw)
                 c = _simulate(limit, trace, budget, swap=True, bandwidth=bw)
