@@ -398,11 +398,11 @@ def summarize(rows: List[dict]) -> None:
                      and r["heuristic"] == TARGET_HEURISTIC]
             if match:
                 verdict = _verdict(match[-1], target)
-            elif swept:  # the sweep stopped above the target's fraction
-                last = min(swept, key=lambda r: r["fraction"])
-                verdict = f"NOT met (not reached: {last['status']} at {last['fraction']:.2f})"
             else:
-                continue
+                last = min(swept, key=lambda r: r["fraction"], default=None)
+                if last is None or last["status"] == "ok" or last["fraction"] < fraction:
+                    continue  # not swept at the target's fraction
+                verdict = f"NOT met (not reached: {last['status']} at {last['fraction']:.2f})"
             print(f"{model:<12} {section:<5} <= {target:.2f}x at {fraction:.2f}: {verdict}")
 
 
