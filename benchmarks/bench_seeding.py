@@ -44,6 +44,7 @@ from dtr.planner import simulate as simulate_plan
 from dtr.testing import zoo
 from dtr.testing.step import fresh_model, timed_step
 
+from plotting import pyplot
 from provenance import commit, machine
 
 SEGMENTS = {"mlp": lambda m: m.body, "resnet": lambda m: m.blocks, "transformer": lambda m: m.blocks}
@@ -106,11 +107,8 @@ def chain_peak(chain) -> float:
 
 
 def plot(rows, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)

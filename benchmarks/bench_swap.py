@@ -34,6 +34,7 @@ from dtr.engine import Heuristic
 from dtr.sim import load
 
 from bench_runtime import RunTimeout, time_limit
+from plotting import pyplot
 from provenance import commit, machine
 
 HERE = Path(__file__).parent
@@ -145,11 +146,8 @@ def real(models, fractions, repeats, out, base):
 
 
 def plot(rows, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(len(BANDWIDTHS), len(models), figsize=(3.2 * len(models), 2.8 * len(BANDWIDTHS)),

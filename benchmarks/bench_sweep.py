@@ -68,6 +68,7 @@ from dtr.testing.memory import profiled_peak
 from dtr.testing.step import fresh_model, timed_step
 
 from bench_runtime import RunTimeout, time_limit
+from plotting import pyplot
 from provenance import commit, machine
 
 HERE = Path(__file__).parent
@@ -423,12 +424,8 @@ def _verdict(row: dict, target: float) -> str:
 def plot(rows: List[dict], path: Path) -> bool:
     """One subplot per model: simulated slowdown per heuristic (solid), real wall ratios
     (dashed), checkpoint_sequential (star at its measured peak fraction). False: no matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     cols = min(4, len(models))
