@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import gc
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -49,6 +48,10 @@ from dtr.testing.step import assert_same, fresh_model, run_step
 
 TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
 BUILTINS = ["dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random"]
+
+
+class Handle:
+    """Stands for a tensor the program holds (keeps every storage in the graph)."""
 
 
 # ------------------------------------------------------------------------------ user heuristics
@@ -248,7 +251,7 @@ def test_pinned_storages_are_never_evicted():
             rec = OpRecord(f"op{i}", cells[-1:], lambda vals, i=i: [i], cost=1.0)
             rt.acquire(cells[-1:])
             (c,) = rt.complete(rec, [], [(100, i, None)])
-            held.append(object.__new__(type("H", (), {})))
+            held.append(Handle())
             rt.track(held[-1], c)
             cells.append(c)
         rt.pin(cells[:5])
@@ -280,10 +283,6 @@ def test_random_is_reproducible():
 
 
 # ------------------------------------------------------------------------------ neighbourhoods
-
-
-class Handle:
-    """Stands for a tensor the program holds (keeps every storage in the graph)."""
 
 
 def _random_graph(data, heuristic):
@@ -399,4 +398,3 @@ def test_neighbourhood_example():
     assert h.key(a) == 1 + 110 and h.key(d) == 1000 + 110
     assert MSPS().key(a) == 1 and MSPS().key(d) == 1000 + 110
     assert rt.heuristic.key(a) == 111 and rt.heuristic.key(d) == 1110
-    gc.collect()
