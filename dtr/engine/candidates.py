@@ -1,4 +1,5 @@
-"""The candidate index: the runtime's exact, incremental search for the storage to evict.
+"""The candidate index: the runtime's incremental search for the storage to evict (every
+candidate is bounded, none is sampled; the victim's score is the lowest to a relative 1e-5).
 
 Note [Candidate index]
 ~~~~~~~~~~~~~~~~~~~~~~
