@@ -94,6 +94,8 @@ def _noop(storage: Storage) -> None:
 
 
 _NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
+_weak = weakref.ref
+_Weak = weakref.ReferenceType
 
 
 def _add_view(s: Storage, c: Cell) -> None:
@@ -101,7 +103,7 @@ def _add_view(s: Storage, c: Cell) -> None:
     views = s.views
     if not views:
         views = s.views = []
-    views.append(weakref.ref(c))
+    views.append(_weak(c))  # the record's own weak reference to ``c``, if it has one
     if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
         views[:] = [w for w in views if w() is not None]
 
@@ -238,7 +240,7 @@ class Runtime:
             rec2 = OpRecord(rec.name, [base], rec.payload, rec.cost, rec.replayable)
             rec2.outputs = [None] * len(rec.outputs)
             c2 = Cell(s2, rec2, c.index, None)
-            rec2.outputs[c.index] = c2
+            rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
             c.forward = c2
             base = c2
         if cell is s.root:
@@ -332,6 +334,7 @@ class Runtime:
                 outs.append(s2.root)
                 new.append(s2)
             added = 0
+            views = False
             for nbytes, value, base in fresh:
                 if base is None:
                     s = self._new_storage(nbytes, rec, len(outs), value, now)
@@ -340,7 +343,9 @@ class Runtime:
                     added += nbytes
                 else:
                     outs.append(self._new_view(base.storage, rec, len(outs), value))
-            rec.outputs = outs
+                    views = True
+            # Note [Views held weakly]
+            rec.outputs = [c if c.storage.root is c else _weak(c) for c in outs] if views else outs
             if self.memory > self.peak:
                 self.peak = self.memory
             if added and self.budget is not None and self.memory > self.budget:
@@ -496,6 +501,8 @@ class Runtime:
         now = self.clock
         added = False
         for cell, v in zip(rec.outputs, values):
+            if type(cell) is _Weak:  # a view (Note [Views held weakly])
+                cell = cell()
             if cell is None or cell.value is not None:
                 continue
             s = cell.storage
@@ -758,19 +765,14 @@ class Runtime:
             self._on_release(s)
             root = s.root
             rec = root.parent
-            root.value = root.parent = None
+            root.parent = None
+            self._drop_values(s)
             if s.forward is None:
-                # Nothing can still resolve through ``s``: break the cycles (storage <-> root,
-                # record <-> view cells) so that reference counting frees all of it now,
-                # instead of the cyclic collector later. An old version keeps its view chain:
-                # references to it are translated lazily to the newest version.
-                for w in s.views:
-                    c = w()
-                    if c is not None:
-                        c.value = c.parent = None
+                # Nothing can still resolve through ``s``: break the storage <-> root cycle so
+                # that reference counting frees it now, instead of the cyclic collector later
+                # (views make no cycle: Note [Views held weakly]). An old version keeps its
+                # root: references to it are translated lazily to the newest version.
                 s.root = None  # type: ignore[assignment]
-            else:
-                self._drop_values(s)
             s.views = ()
             if rec is not None:
                 for i in rec.use_storages:
