@@ -302,7 +302,7 @@ class Driver:
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
         rec = OpRecord(facts.name, inputs, None, seconds, replayable)
         if fresh or mutated:
-            call = Call(func, targs, tkw, tuple(slots), grad)
+            call = Call(func, tuple(targs), tkw, tuple(slots), grad)
             call.rng = state
             call.fresh = tuple(fresh_pos)
             if nv:
@@ -404,7 +404,7 @@ class Driver:
         if not nbytes:
             rt.complete(rec, (), ())
             return out
-        call = rec.payload = Call(func, targs, tkw, tuple(slots), grad)
+        call = rec.payload = Call(func, tuple(targs), tkw, tuple(slots), grad)
         call.rng = state
         call.fresh = _FIRST
         try:
@@ -450,8 +450,10 @@ class Driver:
         # In training mode batch norm's outputs do not depend on the running statistics, and
         # a replay must not update them a second time (ops.py, _HIDDEN_WRITES).
         if facts.replay_stats == "none":
+            args = list(call.args)
             for i in facts.hidden_writes:
-                call.args[i] = None
+                args[i] = None
+            call.args = tuple(args)
         else:
             call.clone_args = facts.hidden_writes
 
@@ -459,7 +461,7 @@ class Driver:
 
     def _use_constants(self, consts: List[torch.Tensor], call: Call) -> tuple:
         uses = self.const_uses
-        info = []
+        info: list = []
         for t in consts:
             b = t._base
             key = id(t if b is None else b)
@@ -470,7 +472,7 @@ class Driver:
                     self.const_bytes[key] = t.untyped_storage().nbytes()
             else:
                 uses[key] = n + 1
-            info.append((key, t, t._version))
+            info += (key, t, t._version)
         return tuple(info)
 
     def _before_constant_write(self, tensors: List[torch.Tensor]) -> None:
@@ -514,7 +516,7 @@ class Driver:
         if call is None:
             return
         uses = self.const_uses
-        for key, _, _ in call.consts:
+        for key in call.consts[::3]:
             n = uses[key] - 1
             if n:
                 uses[key] = n

@@ -47,9 +47,9 @@ class Call:
         "clone_args",
     )
 
-    def __init__(self, func, args: list, kwargs: Optional[dict], slots: tuple, grad: bool) -> None:
+    def __init__(self, func, args: tuple, kwargs: Optional[dict], slots: tuple, grad: bool) -> None:
         self.func = func
-        self.args = args
+        self.args = args  # a tuple: the collector stops tracking one that holds no tensor
         self.kwargs = kwargs
         self.slots = slots  # (arg position or kwarg name, list index or -1, input index)
         self.rng = None
@@ -57,7 +57,8 @@ class Call:
         self.versions = 0  # inputs[:versions] are the old roots of storages written in place
         self.derive: Optional[Dict[int, int]] = None  # input index -> written storage index
         self.fresh: Tuple[int, ...] = ()  # positions in flat(result) of the fresh outputs
-        self.consts: tuple = ()  # (storage key, tensor, version) of constant arguments
+        # storage key, tensor, version of each constant argument, flat (one object less)
+        self.consts: tuple = ()
         self.clone_args: Tuple[int, ...] = ()  # constant arguments a replay must not write
 
 
@@ -76,7 +77,7 @@ def flat(out: Any) -> List[Any]:
     return [out]
 
 
-def fill(template: list, kwargs: Optional[dict], slots, value_of) -> Tuple[list, dict]:
+def fill(template: Sequence[Any], kwargs: Optional[dict], slots, value_of) -> Tuple[list, dict]:
     """Copies of the templates with every slot set to ``value_of(input index)``."""
     args = list(template)
     kw = dict(kwargs) if kwargs else {}
@@ -142,8 +143,9 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
         args, kw = fill(p.args, p.kwargs, p.slots, value_of)
         for i in p.clone_args:
             args[i] = args[i].clone()
-        for key, t, version in p.consts:
-            if t._version != version:
+        consts = p.consts
+        for j in range(1, len(consts), 3):
+            if consts[j]._version != consts[j + 1]:
                 raise DTRError(
                     f"dtr: cannot recompute {rec.name}: one of its inputs, a tensor created "
                     "outside the dtr.budget block, was modified in place without dtr seeing it "
