@@ -81,7 +81,7 @@ def test_inputs_are_freed_across_steps_and_blocks():
 
 def test_reference_counting_frees_what_the_engine_drops():
     """Nothing the engine creates and drops during a step waits for the cyclic collector: its
-    full passes over every object of the process cost more than the engine itself when each
+    full passes over every object of the process cost as much as the engine itself when each
     view (autograd takes ``y.t()`` in every matmul backward) left a record <-> cell cycle."""
     engine_types = {"Storage", "Cell", "OpRecord", "Call", "Ref"}
     for name in ("mlp", "transformer"):
