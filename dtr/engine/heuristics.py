@@ -60,7 +60,7 @@ from itertools import chain
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from dtr.engine.storage import State, Storage
-from dtr.engine.unionfind import UFNode, find, union
+from dtr.engine.unionfind import UFNode, attach, find, union
 
 __all__ = [
     "Heuristic",
@@ -264,13 +264,14 @@ class DTREq(Heuristic):
         return s.cost / (s.nbytes or 1)
 
     def on_evict(self, s: Storage) -> None:
-        node = s.hdata = UFNode(s.cost)
+        node = None
         for n in s.deps():
             if n.state is _EVICTED and n.hdata is not None:
-                node = union(node, n.hdata)
+                node = n.hdata if node is None else union(node, n.hdata)
         for n in s.dependents:
             if n.state is _EVICTED and n.hdata is not None:
-                node = union(node, n.hdata)
+                node = n.hdata if node is None else union(node, n.hdata)
+        s.hdata = UFNode(s.cost) if node is None else attach(node, s.cost)
 
     def on_materialize(self, s: Storage) -> None:
         if self._log is not None and s.hdata is not None:
