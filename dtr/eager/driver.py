@@ -300,9 +300,9 @@ class Driver:
             seconds = estimate_seconds(func, args_v, kw_v, flat(out))
         self.op_seconds += seconds
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
-        rec = OpRecord(facts.name, inputs, None, seconds, replayable)
+        call = None
         if fresh or mutated:
-            call = Call(func, tuple(targs), tkw, tuple(slots), grad)
+            rec = call = Call(facts.name, inputs, seconds, replayable, func, tuple(targs), tkw, tuple(slots), grad)
             call.rng = state
             call.fresh = tuple(fresh_pos)
             if nv:
@@ -314,15 +314,16 @@ class Driver:
                 } or None
             if facts.hidden_writes:
                 self._strip_running_stats(facts, call)
-            rec.payload = call
+        else:  # nothing to replay: only the dependency edges and the clock are recorded
+            rec = OpRecord(facts.name, inputs, None, seconds, replayable)
         try:
             cells = rt.complete(rec, [(s, s.root.value) for s in mutated], fresh)
         except BaseException:
             if state is not None:
                 _restore_program_rng(state)
             raise
-        if rec.payload is not None and replayable and consts:
-            rec.payload.consts = self._use_constants(consts, rec.payload)
+        if call is not None and replayable and consts:
+            call.consts = self._use_constants(consts)
 
         # -- wrap -----------------------------------------------------------------------------
         by_pos = dict(zip(fresh_pos, cells[nv:]))
@@ -400,21 +401,20 @@ class Driver:
         if c is not None:
             rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
             return make_wrapper(out, rt, c)
-        rec = OpRecord(facts.name, inputs, None, seconds)
         if not nbytes:
-            rt.complete(rec, (), ())
+            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
             return out
-        call = rec.payload = Call(func, tuple(targs), tkw, tuple(slots), grad)
+        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
         call.rng = state
         call.fresh = _FIRST
         try:
-            (cell,) = rt.complete(rec, (), ((nbytes, out, None),))
+            (cell,) = rt.complete(call, (), ((nbytes, out, None),))
         except BaseException:
             if state is not None:
                 _restore_program_rng(state)
             raise
         if consts:
-            call.consts = self._use_constants(consts, call)
+            call.consts = self._use_constants(consts)
         return make_wrapper(out, rt, cell)
 
     def _scan_list(self, seq, where, inputs, slots, consts):
@@ -459,7 +459,7 @@ class Driver:
 
     # ------------------------------------------------------------------ constants
 
-    def _use_constants(self, consts: List[torch.Tensor], call: Call) -> tuple:
+    def _use_constants(self, consts: List[torch.Tensor]) -> tuple:
         uses = self.const_uses
         info: list = []
         for t in consts:
@@ -512,17 +512,18 @@ class Driver:
             return swap.swap_in(handle)
 
     def forget(self, rec) -> None:
-        call = rec.payload
-        if call is None:
+        if type(rec) is not Call:
             return
         uses = self.const_uses
-        for key in call.consts[::3]:
+        for key in rec.consts[::3]:
             n = uses[key] - 1
             if n:
                 uses[key] = n
             else:
                 del uses[key]
-        rec.payload = None
+        # Whatever still holds the record must not keep its constants and RNG state alive.
+        rec.args = rec.consts = ()
+        rec.kwargs = rec.rng = None
 
     # ------------------------------------------------------------------ handing data out
 

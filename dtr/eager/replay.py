@@ -1,6 +1,8 @@
-"""How a recorded op is run again: the ``Call`` payload and the helpers that replay it.
+"""How a recorded op is run again: the ``Call`` record and the helpers that replay it.
 
-A ``Call`` is a template of the op's arguments with holes (``slots``) where managed tensors
+A ``Call`` is the engine's record of one aten op (an ``OpRecord``, so that the engine keeps one
+object per op, not a record and its payload: every object it keeps costs time in the cyclic
+collector's full passes, docs/runtime.md) plus what replaying it needs: a template of the op's arguments with holes (``slots``) where managed tensors
 went; a slot names an index into the record's ``inputs``, never a cell, so a record can be
 re-targeted at a new version of its input (``Runtime._translate``) by swapping inputs alone.
 
@@ -22,6 +24,7 @@ import torch
 
 from dtr.eager import rng
 from dtr.eager.cost import estimate_seconds
+from dtr.engine import OpRecord
 from dtr.errors import DTRError
 
 __all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive"]
@@ -30,8 +33,8 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
-class Call:
-    """Replay payload of one record (see module docstring)."""
+class Call(OpRecord):
+    """The record of one aten op, with what replaying it needs (see module docstring)."""
 
     __slots__ = (
         "func",
@@ -47,7 +50,19 @@ class Call:
         "clone_args",
     )
 
-    def __init__(self, func, args: tuple, kwargs: Optional[dict], slots: tuple, grad: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        inputs: list,
+        cost: float,
+        replayable: bool,
+        func,
+        args: tuple,
+        kwargs: Optional[dict],
+        slots: tuple,
+        grad: bool,
+    ) -> None:
+        OpRecord.__init__(self, name, inputs, None, cost, replayable)
         self.func = func
         self.args = args  # a tuple: the collector stops tracking one that holds no tensor
         self.kwargs = kwargs
@@ -60,6 +75,13 @@ class Call:
         # storage key, tensor, version of each constant argument, flat (one object less)
         self.consts: tuple = ()
         self.clone_args: Tuple[int, ...] = ()  # constant arguments a replay must not write
+
+    def retarget(self, inputs: list) -> "Call":
+        c = Call(self.name, inputs, self.cost, self.replayable, self.func, self.args, self.kwargs,
+                 self.slots, self.grad)
+        c.rng, c.versions, c.derive, c.fresh = self.rng, self.versions, self.derive, self.fresh
+        c.consts, c.clone_args = self.consts, self.clone_args
+        return c
 
 
 def flat(out: Any) -> List[Any]:
@@ -111,7 +133,7 @@ def derive(cell, root_value: torch.Tensor) -> torch.Tensor:
         c = c.parent.inputs[0]
     v = root_value
     for c in reversed(chain):
-        p = c.parent.payload
+        p = c.parent
         args, kw = fill(p.args, p.kwargs, p.slots, lambda k, v=v: v)
         v = flat(p.func(*args, **kw))[c.index]
     return v
@@ -124,12 +146,11 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
     from outside dispatch: a hook, ``dtr.materialize``, autograd unpacking a saved tensor) and
     under the recorded grad mode, for every kernel it calls, view derivations included.
     """
-    p = rec.payload
     inputs = rec.inputs
-    with _no_python_dispatch(), _below_autograd(), torch.set_grad_enabled(p.grad):
-        clones = [clone_root(inputs[m].value) for m in range(p.versions)]
-        if p.derive:
-            deriv = p.derive
+    with _no_python_dispatch(), _below_autograd(), torch.set_grad_enabled(rec.grad):
+        clones = [clone_root(inputs[m].value) for m in range(rec.versions)]
+        if rec.derive:
+            deriv = rec.derive
 
             def value_of(k):
                 m = deriv.get(k)
@@ -140,10 +161,10 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
             def value_of(k):
                 return inputs[k].value
 
-        args, kw = fill(p.args, p.kwargs, p.slots, value_of)
-        for i in p.clone_args:
+        args, kw = fill(rec.args, rec.kwargs, rec.slots, value_of)
+        for i in rec.clone_args:
             args[i] = args[i].clone()
-        consts = p.consts
+        consts = rec.consts
         for j in range(1, len(consts), 3):
             if consts[j]._version != consts[j + 1]:
                 raise DTRError(
@@ -152,11 +173,11 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
                     "(e.g. from another thread or under torch.no_grad() with .data). Modify "
                     "such tensors only between blocks, or through ordinary in-place ops."
                 )
-        with rng.restored(p.rng) if p.rng is not None else contextlib.nullcontext():
+        with rng.restored(rec.rng) if rec.rng is not None else contextlib.nullcontext():
             t0 = perf_counter()
-            out = p.func(*args, **kw)
+            out = rec.func(*args, **kw)
             seconds = perf_counter() - t0
         results = flat(out)
         if estimate:
-            seconds = estimate_seconds(p.func, args, kw, results)
-    return clones + [results[i] for i in p.fresh], seconds
+            seconds = estimate_seconds(rec.func, args, kw, results)
+    return clones + [results[i] for i in rec.fresh], seconds

@@ -237,7 +237,7 @@ class Runtime:
         base = s2.root if c is s.root else c.forward
         for c in reversed(chain):
             rec = c.parent
-            rec2 = OpRecord(rec.name, [base], rec.payload, rec.cost, rec.replayable)
+            rec2 = rec.retarget([base])
             rec2.outputs = [None] * len(rec.outputs)
             c2 = Cell(s2, rec2, c.index, None)
             rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]

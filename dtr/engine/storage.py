@@ -162,7 +162,8 @@ class OpRecord:
     ``use_storages`` are the distinct input storages other than the outputs' own, i.e. the
     edges of the dependency graph. ``live`` counts output storages that still name this record
     as their parent; when it drops to zero the record is released and its inputs lose a use.
-    ``payload`` belongs to the executor that replays the record. ``outputs`` holds root cells
+    ``payload`` belongs to the executor that replays the record (which may instead subclass
+    the record, as the eager driver does: one object per op instead of two). ``outputs`` holds root cells
     and weak references to view cells (Note [Views held weakly]); None for outputs dropped.
     """
 
@@ -194,5 +195,11 @@ class OpRecord:
         self.replayable = replayable
         self.live = 0
 
+    def retarget(self, inputs: List[Cell]) -> "OpRecord":
+        """A record of the same op on other inputs, with no outputs yet (a view taken again on
+        a storage's new version, Note [Versions]). Executors whose records subclass this one
+        to carry what a replay needs override it."""
+        return OpRecord(self.name, inputs, self.payload, self.cost, self.replayable)
+
     def __repr__(self) -> str:
-        return f"OpRecord({self.name}, {len(self.inputs)} in, {len(self.outputs)} out)"
+        return f"{type(self).__name__}({self.name}, {len(self.inputs)} in, {len(self.outputs)} out)"
