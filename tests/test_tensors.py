@@ -191,3 +191,31 @@ def test_concurrent_budget_change_from_another_thread():
         engine.check_invariants()
         out = dtr.materialize(out)  # recomputed here if the other thread's budgets evicted it
     assert torch.equal(out, ref)
+
+
+def test_a_block_does_not_import_dynamo_and_compiled_code_inside_one_works():
+    """Note [Dynamo guard]: a training step under a budget leaves torch._dynamo unimported
+    (torch's own guard imported it on the first op, ~1 s); once torch.compile has imported it,
+    compiled code called inside a block runs, with eager's gradients, and dynamo never traces
+    into the engine (it would warn about the C extensions it meets there)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings, torch, dtr
+x = torch.randn(8, requires_grad=True)
+with dtr.budget(None):
+    (x * 2).sin().sum().backward()
+print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
+f = torch.compile(lambda a: (a * 2).sin().sum(), backend="eager")
+w = torch.randn(8)
+want = torch.autograd.grad(f((x * w).relu()), x)[0]
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with dtr.budget(None):
+        got = torch.autograd.grad(f((x * w).relu()), x)[0]
+print(torch.equal(dtr.materialize(got), want))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["no", "dynamo", "True"], out.stdout

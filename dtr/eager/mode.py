@@ -4,10 +4,21 @@ A mode sees every op on the thread that entered the block, including ops on plai
 (factory functions, ``weight.t()``) and, when ``backward()`` runs inside the block, the
 backward ops; autograd propagates it to its worker threads. Wrappers that outlive the block,
 or reach a thread without the mode, dispatch through ``DTRTensor`` instead.
+
+Note [Dynamo guard]
+~~~~~~~~~~~~~~~~~~~
+torch wraps every mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``, so that code
+compiled with ``torch.compile`` never traces into a mode. That wrapper imports
+``torch._dynamo`` on the first op: the first block of a process took ~1 s longer (2-core VM),
+for ~120,000 more objects in the process. Dynamo can only be tracing if it has been imported,
+so ``DTRMode`` opts out of torch's wrapper (a private flag; if torch drops it, its wrapper simply
+comes back) and applies the same ``torch._dynamo.disable(recursive=True)`` itself, from the
+first op after ``torch._dynamo`` appears in ``sys.modules``.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,18 +26,36 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["DTRMode"]
 
 _ident = threading.get_ident
+_modules = sys.modules
 
 
 class DTRMode(TorchDispatchMode):
     """Sends every op to the driver, except during ``optimizer.step()`` on the stepping
     thread, whose ops run untracked (optimizer state stays plain; see ``Driver``)."""
 
+    _guarded = None  # __torch_dispatch__ under torch._dynamo.disable, made when dynamo loads
+
     def __init__(self, driver) -> None:
         super().__init__()
         self.driver = driver
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # guarded here instead (Note [Dynamo guard])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        d = self.driver
-        if d.suspended_thread is not None and d.suspended_thread == _ident():
-            return d.passthrough(func, args, kwargs or {})
-        return d.dispatch(func, args, kwargs or {})
+        if "torch._dynamo" in _modules:
+            guarded = DTRMode._guarded
+            if guarded is None:
+                import torch._dynamo
+
+                guarded = DTRMode._guarded = torch._dynamo.disable(_dispatch, recursive=True)
+            return guarded(self, func, args, kwargs)
+        return _dispatch(self, func, args, kwargs)
+
+
+def _dispatch(mode: DTRMode, func, args, kwargs):
+    d = mode.driver
+    if d.suspended_thread is not None and d.suspended_thread == _ident():
+        return d.passthrough(func, args, kwargs or {})
+    return d.dispatch(func, args, kwargs or {})
