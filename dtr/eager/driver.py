@@ -302,7 +302,9 @@ class Driver:
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
         call = None
         if fresh or mutated:
-            rec = call = Call(facts.name, inputs, seconds, replayable, func, tuple(targs), tkw, tuple(slots), grad)
+            rec = call = Call(
+                facts.name, inputs, seconds, replayable, func, tuple(targs), tkw, tuple(slots), grad
+            )
             call.rng = state
             call.fresh = tuple(fresh_pos)
             if nv:
