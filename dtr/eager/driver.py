@@ -319,7 +319,7 @@ class Driver:
         else:  # nothing to replay: only the dependency edges and the clock are recorded
             rec = OpRecord(facts.name, inputs, None, seconds, replayable)
         try:
-            cells = rt.complete(rec, [(s, s.root.value) for s in mutated], fresh)
+            cells = rt.complete(rec, [(s, s.value) for s in mutated], fresh)
         except BaseException:
             if state is not None:
                 _restore_program_rng(state)

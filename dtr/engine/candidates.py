@@ -267,7 +267,7 @@ class CandidateIndex:
 
     @staticmethod
     def _recomputable(s: Storage) -> bool:
-        rec = s.root.parent
+        rec = s.parent
         return rec is not None and rec.replayable
 
     # ------------------------------------------------------------------ catching up

@@ -227,14 +227,13 @@ class Runtime:
 
     def _translate(self, cell: Cell) -> None:
         """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views."""
-        s = cell.storage
-        s2 = s.forward
+        s2 = cell.storage.forward
         chain = []
         c = cell
-        while c is not s.root and c.forward is None:
+        while c.forward is None:  # the root's is the new version itself: the walk stops there
             chain.append(c)
             c = c.parent.inputs[0]
-        base = s2.root if c is s.root else c.forward
+        base = c.forward
         for c in reversed(chain):
             rec = c.parent
             rec2 = rec.retarget([base])
@@ -243,8 +242,6 @@ class Runtime:
             rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
             c.forward = c2
             base = c2
-        if cell is s.root:
-            cell.forward = s2.root
 
     def _carry_views(self, s: Storage) -> None:
         """Before ``s`` becomes an old version, give its defined views counterparts on the new
@@ -331,21 +328,21 @@ class Runtime:
                     self._carry_views(s)
                 # The old version's bytes now belong to the new one: no memory is freed.
                 self._evict(s)
-                outs.append(s2.root)
+                outs.append(s2)
                 new.append(s2)
             added = 0
             views = False
             for nbytes, value, base in fresh:
                 if base is None:
                     s = self._new_storage(nbytes, rec, len(outs), value, now)
-                    outs.append(s.root)
+                    outs.append(s)
                     new.append(s)
                     added += nbytes
                 else:
                     outs.append(self._new_view(base.storage, rec, len(outs), value))
                     views = True
             # Note [Views held weakly]
-            rec.outputs = [c if c.storage.root is c else _weak(c) for c in outs] if views else outs
+            rec.outputs = [c if type(c) is Storage else _weak(c) for c in outs] if views else outs
             if self.memory > self.peak:
                 self.peak = self.memory
             if added and self.budget is not None and self.memory > self.budget:
@@ -368,7 +365,7 @@ class Runtime:
                 del self._all[s]
                 self.memory -= s.nbytes
                 s.state = RELEASED
-                s.root.value = None
+                s.value = None
                 rec.outputs[i] = None
             del new[n_versions:]
             self._wire(rec, new, self.clock)
@@ -402,8 +399,7 @@ class Runtime:
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
-        s = Storage(self, self._sid, nbytes, rec.cost, now)
-        s.root = Cell(s, rec, index, value)
+        s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)
         self.resident[s] = None
         self._all[s] = None
         self.memory += nbytes
@@ -573,7 +569,7 @@ class Runtime:
         small = []
         for s in self.resident:
             if s.locks == 0:
-                rec = s.root.parent
+                rec = s.parent
                 if (rec is not None and rec.replayable) or host is not None:
                     (heap if s.nbytes >= small_below else small).append((score(s, now), s.sid, s))
         heapify(heap)
@@ -649,7 +645,7 @@ class Runtime:
 
     @staticmethod
     def _drop_values(s: Storage) -> None:
-        s.root.value = None
+        s.value = None
         for w in s.views:
             c = w()
             if c is not None:
@@ -674,7 +670,7 @@ class Runtime:
 
     def _swap_out(self, s: Storage) -> None:
         """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
-        handle = self.executor.swap_out(s.root.value)
+        handle = self.executor.swap_out(s.value)
         del self.resident[s]
         s.state = SWAPPED
         self._drop_values(s)
@@ -710,7 +706,7 @@ class Runtime:
         self.host.remove(s)
         s.state = RESIDENT
         self.resident[s] = None
-        s.root.value = value
+        s.value = value
         s.last_access = self.clock
         c = self.counters
         c.swap_bytes_in += s.nbytes
@@ -763,16 +759,12 @@ class Runtime:
             s.state = RELEASED
             del self._all[s]
             self._on_release(s)
-            root = s.root
-            rec = root.parent
-            root.parent = None
+            rec = s.parent
+            # Its parent lists it as an output: break that cycle so that reference counting
+            # frees both now, not the cyclic collector later (views make none: Note [Views
+            # held weakly]).
+            s.parent = None
             self._drop_values(s)
-            if s.forward is None:
-                # Nothing can still resolve through ``s``: break the storage <-> root cycle so
-                # that reference counting frees it now, instead of the cyclic collector later
-                # (views make no cycle: Note [Views held weakly]). An old version keeps its
-                # root: references to it are translated lazily to the newest version.
-                s.root = None  # type: ignore[assignment]
             s.views = ()
             if rec is not None:
                 for i in rec.use_storages:
@@ -826,10 +818,10 @@ class Runtime:
 
     def cut(self, s: Storage) -> None:
         """Make ``s`` permanent: drop its parent so its ancestors can be released."""
-        rec = s.root.parent
+        rec = s.parent
         if rec is None:
             return
-        s.root.parent = None
+        s.parent = None
         for i in rec.use_storages:
             if i.dependents:
                 i.dependents.pop(s, None)
@@ -959,30 +951,30 @@ class Runtime:
             assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
             assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
             if s.state is EVICTED:
-                assert s.root.value is None, f"{s} is evicted but its root holds a value"
-                rec = s.root.parent
+                assert s.value is None, f"{s} is evicted but its root holds a value"
+                rec = s.parent
                 assert rec is not None and rec.replayable, f"{s} is evicted but cannot be recomputed"
                 for i in rec.use_storages:
                     assert i.state is not RELEASED, f"{s} needs {i}, which was released"
             elif s.state is SWAPPED:
-                assert s.root.value is None, f"{s} is swapped but its root holds a value"
+                assert s.value is None, f"{s} is swapped but its root holds a value"
                 assert s in self.host.handles, f"{s} is swapped but the host tier has no copy of it"
             else:
-                assert s.root.value is not None, f"{s} is {s.state.name} but its root is undefined"
+                assert s.value is not None, f"{s} is {s.state.name} but its root is undefined"
             if s.refs == 0 and s.uses == 0:
                 raise AssertionError(f"{s} is unreferenced and unused but was not released")
             if s.state is not RESIDENT:
                 for w in s.views:
                     c = w()
                     assert c is None or c.value is None, f"a view of {s} is defined"
-            rec = s.root.parent
+            rec = s.parent
             if rec is not None:
                 assert rec.live > 0, f"{rec} is the parent of {s} but counts no live output"
                 for i in rec.use_storages:
                     assert i.dependents and s in i.dependents, f"{s} is missing from the dependents of {i}"
         counted: dict = {}
         for s in self._all:
-            rec = s.root.parent
+            rec = s.parent
             if rec is not None and id(rec) not in counted:
                 counted[id(rec)] = rec
         uses: dict = {}

@@ -3,9 +3,12 @@
 Note [Three levels]
 ~~~~~~~~~~~~~~~~~~~
 - A ``Storage`` is one allocation: the unit of accounting, eviction, locking and reference
-  counting. It has one *root* cell, computed by its parent op.
-- A ``Cell`` is one tensor over a storage: the root, or a view derived from another cell of
-  the same storage by a view op. A cell is *defined* when its ``value`` is set. Evicting a
+  counting. It is also its own *root* cell (``s.root is s``): the tensor its parent op
+  computed. (A separate root object was one more object per op for the cyclic collector to
+  visit, and one more cycle to break.)
+- A *cell* is one tensor over a storage: the root, or a ``Cell``, a view derived from another
+  cell of the same storage by a view op. Both have ``storage``, ``parent``, ``index``,
+  ``value`` and ``forward``. A cell is *defined* when its ``value`` is set. Evicting a
   storage undefines all its cells; a view cell is rematerialized by replaying its view op on
   its base (Invariant 5).
 - An ``OpRecord`` is one executed operation: its input cells, its output cells and an opaque
@@ -80,7 +83,9 @@ class Storage:
         "uses",
         "last_access",
         "cost",
-        "root",
+        "parent",
+        "index",
+        "value",
         "views",
         "dependents",
         "forward",
@@ -90,7 +95,17 @@ class Storage:
         "__weakref__",
     )
 
-    def __init__(self, runtime: Any, sid: int, nbytes: int, cost: float, now: int) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        sid: int,
+        nbytes: int,
+        cost: float,
+        now: int,
+        parent: Optional["OpRecord"] = None,
+        index: int = 0,
+        value: Any = None,
+    ) -> None:
         self.runtime = runtime
         self.sid = sid
         self.nbytes = nbytes
@@ -100,7 +115,11 @@ class Storage:
         self.uses = 0
         self.last_access = now
         self.cost = cost
-        self.root: Cell = None  # type: ignore[assignment]  # set right after construction
+        # As the root cell: the op that computes it (None once it cannot be recomputed), its
+        # output position there, and its data while resident.
+        self.parent = parent
+        self.index = index
+        self.value = value
         # Weak references to view cells that may hold values; cleared on eviction. Weak,
         # because a view cell nobody refers to any more must not be kept alive by its storage.
         # Both containers start as an empty tuple and become a list / dict on first use: most
@@ -113,22 +132,27 @@ class Storage:
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
 
     @property
-    def parent(self) -> Optional["OpRecord"]:
-        """The op that computes this storage's root, or None when it cannot be recomputed."""
-        return self.root.parent
+    def root(self) -> "Storage":
+        """The storage's root cell: the storage itself (Note [Three levels])."""
+        return self
+
+    @property
+    def storage(self) -> "Storage":
+        """As for every cell, the storage it is over: here itself."""
+        return self
 
     @property
     def recomputable(self) -> bool:
-        rec = self.root.parent
+        rec = self.parent
         return rec is not None and rec.replayable
 
     def deps(self) -> tuple:
         """Storages this one is computed from (excluding itself)."""
-        rec = self.root.parent
+        rec = self.parent
         return rec.use_storages if rec is not None else ()
 
     def __repr__(self) -> str:
-        name = self.root.parent.name if self.root is not None and self.root.parent else "-"
+        name = self.parent.name if self.parent is not None else "-"
         return (
             f"Storage(#{self.sid} {self.state.name} {self.nbytes}B refs={self.refs} "
             f"uses={self.uses} locks={self.locks} op={name})"
@@ -136,7 +160,8 @@ class Storage:
 
 
 class Cell:
-    """One tensor over a storage: its root, or a view of another cell of the same storage."""
+    """A view: one tensor over a storage, derived from another cell of the same storage (a
+    storage is its own root cell)."""
 
     __slots__ = ("storage", "parent", "index", "value", "forward", "__weakref__")
 
@@ -150,9 +175,8 @@ class Cell:
         self.forward: Optional[Cell] = None
 
     def __repr__(self) -> str:
-        kind = "root" if self is self.storage.root else "view"
         state = "defined" if self.value is not None else "undefined"
-        return f"Cell({kind} of #{self.storage.sid}, {state})"
+        return f"Cell(view of #{self.storage.sid}, {state})"
 
 
 class OpRecord:
