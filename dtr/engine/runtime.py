@@ -384,8 +384,13 @@ class Runtime:
             # A view op's outputs live and die with the base's storage; a record that is never
             # replayed needs none of its inputs.
             return
-        if len(inputs) == 1:
-            ins: tuple = (inputs[0].storage,)
+        # Inputs that are distinct roots are their own storages: the input list then doubles as
+        # the edges (one object fewer per op kept for the collector, docs/runtime.md).
+        n = len(inputs)
+        if n == 1:
+            ins: Sequence[Storage] = inputs if type(inputs[0]) is Storage else (inputs[0].storage,)
+        elif n == 2 and inputs[0] is not inputs[1] and type(inputs[0]) is type(inputs[1]) is Storage:
+            ins = inputs
         else:
             ins = tuple(dict.fromkeys([c.storage for c in inputs]))
         rec.use_storages = ins

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Sequence, Union
 
 __all__ = ["State", "Storage", "Cell", "OpRecord"]
 
@@ -146,7 +146,7 @@ class Storage:
         rec = self.parent
         return rec is not None and rec.replayable
 
-    def deps(self) -> tuple:
+    def deps(self) -> Sequence["Storage"]:
         """Storages this one is computed from (excluding itself)."""
         rec = self.parent
         return rec.use_storages if rec is not None else ()
@@ -184,8 +184,9 @@ class OpRecord:
 
     ``inputs`` are the cells the replay reads (for a view op, ``inputs[0]`` is the base).
     ``use_storages`` are the distinct input storages other than the outputs' own, i.e. the
-    edges of the dependency graph. ``live`` counts output storages that still name this record
-    as their parent; when it drops to zero the record is released and its inputs lose a use.
+    edges of the dependency graph (a sequence: ``inputs`` itself when those are distinct
+    roots). ``live`` counts output storages that still name this record as their parent; when
+    it drops to zero the record is released and its inputs lose a use.
     ``payload`` belongs to the executor that replays the record (which may instead subclass
     the record, as the eager driver does: one object per op instead of two). ``outputs`` holds root cells
     and weak references to view cells (Note [Views held weakly]); None for outputs dropped.
@@ -212,7 +213,7 @@ class OpRecord:
     ) -> None:
         self.name = name
         self.inputs = inputs
-        self.use_storages: tuple = ()
+        self.use_storages: Sequence[Storage] = ()
         self.outputs: List[Union[Cell, weakref.ref, None]] = []
         self.cost = cost
         self.payload = payload
