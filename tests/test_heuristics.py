@@ -5,7 +5,8 @@
   keeps the scoring contract (evictions at a fixed clock never lower another score).
 * The candidate index picks what a brute-force scan of every candidate would: a victim whose
   score is the lowest (to the index's relative 1e-5), never locked, pinned or unrecomputable,
-  and small only when nothing larger can go. Checked at every pick, on shipped traces, random
+  small only when nothing larger can go, protected (``Runtime.protect_new``) only when nothing
+  else can. Checked at every pick, on shipped traces, random
   programs, and a stateful machine that mutates, views and releases.
 * The evicted neighbourhoods against brute force on random graphs: "dtr"'s exact e*, "msps"'s
   e_R, and "dtr_eq"'s union-find approximation (equal to the evicted components around a
@@ -167,19 +168,21 @@ class CheckedIndex(CandidateIndex):
         super().__init__(heuristic)
         self.heuristic = heuristic
 
-    def begin(self, resident, now, small_below):
-        super().begin(resident, now, small_below)
+    def begin(self, resident, now, small_below, protected_from=float("inf")):
+        super().begin(resident, now, small_below, protected_from)
         self.resident = resident
+        self.protected_from = protected_from
 
     def pick(self):
         s = super().pick()
         now, h = self._now, self.heuristic
         candidates = [t for t in self.resident if not t.locks and t.recomputable]
-        pool = [t for t in candidates if t.nbytes >= self._small_below] or candidates
+        unprotected = [t for t in candidates if t.sid < self.protected_from]
+        pool = [t for t in unprotected if t.nbytes >= self._small_below] or unprotected or candidates
         if s is None:
             assert not pool, f"no victim picked among {len(pool)} candidates"
         else:
-            assert s in pool, f"{s} is not a candidate (locked, pinned, unrecomputable or small)"
+            assert s in pool, f"{s} is not a candidate (locked, pinned, unrecomputable, small or protected)"
             best = min(h.score(t, now) for t in pool)
             got = h.score(s, now)
             assert got <= best + 2e-5 * abs(best), f"picked {s} scoring {got}, best is {best}"
@@ -261,6 +264,62 @@ def test_pinned_storages_are_never_evicted():
         rt.unpin(cells[:5])
         rt.set_budget(300)
         rt.check_invariants()
+
+
+@pytest.mark.parametrize("name", BUILTINS + [ScoreOnly.name])
+def test_protected_storages_go_last(name):
+    """Storages made under ``protect_new`` are evicted only when nothing else can go (both
+    searches: the candidate index, and rescoring for a score-only heuristic). That they are
+    ordinary candidates again once the protection ends is checked pick by pick by the
+    stateful test (``protect`` rule) against a brute-force scan."""
+    rt = Runtime(None, make_heuristic(name), FakeExecutor())
+    held, cells = [], []
+
+    def make(i):
+        ins = cells[-1:]
+        rec = OpRecord(f"op{i}", ins, lambda vals, i=i: [i], cost=1.0)
+        rt.acquire(ins)
+        (c,) = rt.complete(rec, [], [(100, i, None)])
+        held.append(Handle())
+        rt.track(held[-1], c)
+        cells.append(c)
+
+    for i in range(3):
+        make(i)
+    rt.protect_new(True)
+    for i in range(3, 6):
+        make(i)
+    rt.set_budget(400)  # two must go: the protected three stay
+    assert [c.storage.state for c in cells[3:]] == [State.RESIDENT] * 3, name
+    rt.set_budget(200)  # all unprotected ones and one protected: a last resort, not an error
+    assert [c.storage.state for c in cells[:3]] == [State.EVICTED] * 3, name
+    assert sum(c.storage.state is State.EVICTED for c in cells[3:]) == 1, name
+    rt.check_invariants()
+
+
+def test_protection_ends():
+    """Once the protection ends, its storages are ordinary candidates: LRU takes the stalest."""
+    rt = Runtime(None, make_heuristic("lru"), FakeExecutor())
+    held, cells = [], []
+
+    def make(i, ins):
+        rec = OpRecord(f"op{i}", ins, lambda vals, i=i: [i], cost=1.0)
+        rt.acquire(ins)
+        (c,) = rt.complete(rec, [], [(100, i, None)])
+        held.append(Handle())
+        rt.track(held[-1], c)
+        return c
+
+    cells = [make(i, []) for i in range(3)]
+    rt.protect_new(True)
+    cells += [make(i, []) for i in range(3, 6)]
+    make(6, cells[:3])  # reads the unprotected ones: the protected ones are now the stalest
+    rt.set_budget(600)
+    assert sum(c.storage.state is State.EVICTED for c in cells[:3]) == 1
+    rt.protect_new(False)
+    rt.set_budget(500)
+    assert cells[3].storage.state is State.EVICTED
+    rt.check_invariants()
 
 
 def test_random_is_reproducible():

@@ -186,6 +186,10 @@ class RuntimeMachine(RuleBasedStateMachine):
         except OutOfBudgetError:
             pass
 
+    @rule(on=st.booleans())
+    def protect(self, on):
+        self.rt.protect_new(on)
+
     @precondition(lambda self: self.live)
     @rule()
     def flush(self):

@@ -7,10 +7,13 @@ step must still give eager's values and gradients bit for bit.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 import dtr
+from dtr.eager.driver import Driver
 from dtr.planner import store_all
 from dtr.planner import simulate as simulate_plan
 from dtr.planner.hints import StageHint, forward_hints
@@ -96,6 +99,37 @@ def test_a_seeded_mlp_follows_its_plan_and_matches_eager(fraction, tmp_path):
     # the scalars made after the segment (the loss and its gradient: a few bytes).
     largest_op = max(n for e in events if e["e"] == "op" for n, base in e["new"] if base is None)
     assert sim.peak_bytes <= before + plan.peak + largest_op + 64
+
+
+def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
+    """The gradient a stage's backward makes for its input is what the plan's next backward
+    step reads: the seeded step protects it (``Runtime.protect_new``) instead of letting DTR
+    evict it between the op that made it and its reader, then recompute it. Without that, the
+    bench MLP at 0.4 of its peak replayed six backward ``mm`` ops (docs/planner.md)."""
+    w = zoo.build("mlp", "bench")
+    eager = run_step(w, fresh_model(w), "eager")
+    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    model = fresh_model(w)
+    engine = dtr.budget(int(peak * 0.4), cost="estimate", plan=[model.body])
+    path = tmp_path / "seeded.jsonl"
+    replayed = []
+    original = Driver.replay
+
+    def logged(self, rec):
+        replayed.append(rec.name)
+        return original(self, rec)
+
+    run_step_in(w, model, engine)  # profiles the segment
+    engine.trace = path
+    with mock.patch.object(Driver, "replay", logged):
+        loss, grads = run_step_in(w, model, engine)
+    assert torch.equal(loss, eager.loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, eager.grads))
+    assert "aten.addmm.default" in replayed  # the plan recomputes forward stages
+    assert "aten.mm.default" not in replayed  # and no gradient
+    events = [e for e in load(path).blocks[0] if e["e"] == "protect"]
+    _, chain, _ = _plan_and_chain(engine)
+    assert [e["on"] for e in events] == [True] * len(chain.forward_time) + [False]
 
 
 def test_a_new_input_shape_is_profiled_not_given_another_plan():

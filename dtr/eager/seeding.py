@@ -14,9 +14,12 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
 3. From the next step with that signature on, the first forward sweep of the plan is applied
    as hints (``dtr.planner.hints``): stages the plan runs ``F_ck``/``F_none`` have their other
    tensors evicted when they end, ``F_none`` stages also evict their input once read, and
-   checkpoints are pinned until their gradient has been computed. Everything else, including
-   every recomputation in the backward pass, is ordinary DTR: the heuristic handles what the
-   plan did not foresee.
+   checkpoints are pinned until their gradient has been computed. In the backward pass, what a
+   planning stage's backward makes (the gradient of its input above all, which the next
+   backward step reads) is protected (``Runtime.protect_new``: evicted only when nothing else
+   can go) until the next stage's backward begins, as the plan's accounting assumed.
+   Everything else, including every recomputation in the backward pass, is ordinary DTR: the
+   heuristic handles what the plan did not foresee.
 
 A pass that does not run the stages in order (control flow that skips one, a stage called
 twice) applies nothing more from that point; a new signature is profiled, never given another
@@ -145,6 +148,7 @@ class Seeding:
         self.budget: Optional[int] = None
         self._handles: list = []
         self._pinned: List[list] = []  # cell lists pinned and not yet unpinned
+        self._protecting: Optional[_Segment] = None  # whose backward stage protects what it makes
         self._warned = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -168,7 +172,10 @@ class Seeding:
         with rt.lock:
             for cells in self._pinned:
                 rt.unpin(cells)
+            if self._protecting is not None:
+                rt.protect_new(False)
         self._pinned = []
+        self._protecting = None
         for seg in self.segments:
             seg.active = None
         self.driver = None
@@ -250,6 +257,8 @@ class Seeding:
                     if k == 0:
                         self._watch_gradient(args[0] if args else None, lambda: self._backward_reached(seg, p, -1))
                 else:
+                    if k == 0:
+                        self._watch_gradient(args[0] if args else None, lambda: self._end_protection(seg))
                     hint = p.hints.get(k)
                     if hint is None:  # inside a planning stage
                         p.next = k + 1
@@ -263,6 +272,7 @@ class Seeding:
                         rt.pin(cells)
                         self._pinned.append(cells)
                         self._watch_gradient(output, lambda: self._unpin(cells))
+                    self._watch_gradient(output, lambda: self._stage_backward(seg, p))
                 p.previous = outs
                 p.next = k + 1
             if p.next == len(seg.modules) and p.mode == "apply":
@@ -299,6 +309,29 @@ class Seeding:
                     del self._pinned[i]
                     rt.unpin(cells)
                     return
+
+    def _stage_backward(self, seg: _Segment, p: _Pass) -> None:
+        """A planned stage's backward begins (its output's gradient exists): what it makes,
+        its input's gradient above all, is evicted only as a last resort until the next stage's
+        backward begins, as the plan's accounting assumed (Note [Seeding])."""
+        if self.driver is None or p.next != len(seg.modules):  # a pass the plan did not hold for
+            return
+        rt = self.driver.rt
+        with rt.lock:
+            if self._protecting is None:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_protection(seg))
+            self._protecting = seg
+            rt.protect_new(True)
+
+    def _end_protection(self, seg: _Segment) -> None:
+        """The segment's backward is over (its input's gradient exists, or the backward pass
+        ended)."""
+        if self.driver is None or self._protecting is not seg:
+            return
+        rt = self.driver.rt
+        with rt.lock:
+            self._protecting = None
+            rt.protect_new(False)
 
     def _backward_reached(self, seg: _Segment, p: _Pass, k: int) -> None:
         """Profiling: the gradient of stage ``k``'s output exists (``k = -1``: the segment's

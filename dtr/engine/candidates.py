@@ -41,7 +41,9 @@ wins a later pick.
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
 so long-held pins cost O(pins) per round); storages under the round's small-storage threshold
-("stashed": the last resort, scanned only when nothing larger can go).
+("stashed": a last resort, scanned only when nothing larger can go); storages made since the
+runtime's protection began ("protected", ``Runtime.protect_new``: the very last resort, scanned
+only when nothing else can go, and active again once the protection moves past them).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked or unstashed.
@@ -110,6 +112,8 @@ class CandidateIndex:
         self._parked: Dict[int, Storage] = {}
         self._stashed: Dict[int, Storage] = {}
         self._stash_max = 0  # no stashed storage is larger
+        self._protected: Dict[int, Storage] = {}
+        self._protected_from: float = _INF  # storages with a sid from this one on are protected
         self._started = False
         # The current round: its clock, small-storage threshold, pick count, and the heap of
         # examined candidates: (score, sid, slot, pick it was scored in).
@@ -121,13 +125,16 @@ class CandidateIndex:
 
     # ------------------------------------------------------------------ rounds
 
-    def begin(self, resident: Dict[Storage, None], now: int, small_below: float) -> None:
+    def begin(self, resident: Dict[Storage, None], now: int, small_below: float,
+              protected_from: float = _INF) -> None:
         """Start an eviction round at clock ``now``: bring the rows up to date with what
         happened since the last round, and bound every score. ``resident`` is the runtime's
-        insertion-ordered resident set; storages under ``small_below`` bytes are the last
-        resort."""
+        insertion-ordered resident set; storages under ``small_below`` bytes are a last
+        resort, storages whose sid is ``protected_from`` or later the very last."""
         self._now = now
         self._small_below = small_below
+        moved = protected_from != self._protected_from
+        self._protected_from = protected_from
         self._checked = []
         self._picks = 0
         if now - self._base > _REBASE:
@@ -153,6 +160,8 @@ class CandidateIndex:
             self._add(s)
         if self._parked:
             self._unpark()
+        if moved and self._protected:
+            self._unprotect()
         if self._stashed and small_below <= self._stash_max:
             self._unstash()
         if self._used > 2 * len(resident) + 1024:
@@ -166,8 +175,9 @@ class CandidateIndex:
 
     def pick(self) -> Optional[Storage]:
         """The round's next victim: a candidate (resident, unlocked, recomputable) with the
-        lowest score (Note [Candidate index]: up to ``_TOL``), among those at or above the small
-        threshold if any; None if there is no candidate. The caller evicts it before the next ``pick``."""
+        lowest score (Note [Candidate index]: up to ``_TOL``) among the unprotected ones at or
+        above the small threshold if any, else among the unprotected ones, else among all; None
+        if there is no candidate. The caller evicts it before the next ``pick``."""
         self._picks += 1
         buf, checked, rows = self._buf, self._checked, self._rows
         while True:
@@ -182,7 +192,8 @@ class CandidateIndex:
                     self._examine(slot)  # scored before this round's last eviction: re-score
                     continue
             elif lb == _INF:
-                return self._pick_stashed()
+                s = self._best_of(self._stashed)
+                return s if s is not None else self._best_of(self._protected)
             buf[i] = _INF
             self._examine(i)
 
@@ -223,7 +234,9 @@ class CandidateIndex:
         self._rows[slot] = s
         s.slot = slot
         self._used += 1
-        if active:
+        if s.sid >= self._protected_from:  # the only way in: the protection only moves forward
+            self._protect(slot, s)
+        elif active:
             self._set(slot, s, key, floor)
         elif self._recomputable(s):
             self._stash(slot, s)
@@ -251,6 +264,7 @@ class CandidateIndex:
         self._used -= 1
         self._parked.pop(slot, None)
         self._stashed.pop(slot, None)
+        self._protected.pop(slot, None)
         if s is not None and s.slot == slot:
             s.slot = None
 
@@ -317,11 +331,30 @@ class CandidateIndex:
                 top = s.nbytes
         self._stash_max = top
 
-    def _pick_stashed(self) -> Optional[Storage]:
-        """The last resort: the best stashed candidate, by a scan (rare: nothing larger can go)."""
+    def _protect(self, slot: int, s: Storage) -> None:
+        self._protected[slot] = s
+        self._deactivate(slot)
+
+    def _unprotect(self) -> None:
+        """The protection moved: rows it no longer covers go back to their tier."""
+        for slot, s in list(self._protected.items()):
+            if self._rows[slot] is not s or s.state is not RESIDENT:
+                self._free_row(slot)
+            elif s.sid < self._protected_from:
+                del self._protected[slot]
+                if not self._recomputable(s):
+                    continue  # dead: inactive until it leaves memory
+                if s.nbytes < self._small_below:
+                    self._stash(slot, s)
+                else:
+                    self._activate(slot, s)  # locked: parked when examined
+
+    def _best_of(self, rows: Dict[int, Storage]) -> Optional[Storage]:
+        """A last resort: the best candidate among ``rows`` (stashed or protected), by a scan
+        (rare: nothing in an earlier tier can go)."""
         best = None
         now = self._now
-        for slot, s in list(self._stashed.items()):
+        for slot, s in list(rows.items()):
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
             elif not s.locks and self._recomputable(s):
@@ -350,5 +383,5 @@ class CandidateIndex:
         assert len(set(self._free)) == len(self._free) == len(self._rows) - used, "free list"
         for slot in self._free:
             assert self._rows[slot] is None and self._bound[slot] == _INF, f"free slot {slot}"
-        for slot in list(self._parked) + list(self._stashed):
+        for slot in list(self._parked) + list(self._stashed) + list(self._protected):
             assert self._bound[slot] == _INF and self._floors[slot] == _INF, f"slot {slot} active"

@@ -160,6 +160,7 @@ class Runtime:
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
         self._pins: dict = {}  # Storage -> pins (locks held between ops for a plan)
+        self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
         self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
         self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
 
@@ -542,7 +543,7 @@ class Runtime:
         Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
         only when nothing larger can go: evicting them frees next to nothing, and recomputing
         one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
-        outright).
+        outright). Storages under ``protect_new`` come after them.
 
         With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
         index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
@@ -558,7 +559,7 @@ class Runtime:
             index = self._index
             if index is None:
                 index = self._index = CandidateIndex(self.heuristic)
-            index.begin(self.resident, self.clock, self._small_below())
+            index.begin(self.resident, self.clock, self._small_below(), self._protected_from)
             while self.memory > target:
                 s = index.pick()
                 if s is None:
@@ -570,26 +571,31 @@ class Runtime:
         host = self.host
         score = self._score if host is None else self._swap_or_evict_key
         small_below = self._small_below()
-        heap = []
-        small = []
+        protected_from = self._protected_from
+        heap: list = []
+        small: list = []
+        protected: list = []
         for s in self.resident:
             if s.locks == 0:
                 rec = s.parent
                 if (rec is not None and rec.replayable) or host is not None:
-                    (heap if s.nbytes >= small_below else small).append((score(s, now), s.sid, s))
+                    tier = protected if s.sid >= protected_from else heap if s.nbytes >= small_below else small
+                    tier.append((score(s, now), s.sid, s))
         heapify(heap)
+        later = [protected, small]  # the last resorts, popped from the end
         while self.memory > target:
             while True:
                 if not heap:
-                    if not small:
+                    if not later:
                         if self._outgoing:  # copies out in flight: wait for one, then go on
                             self._poll_outgoing(wait=True)
                             if self.memory <= target:
                                 return
                             continue
                         raise self._out_of_budget(target, opname)
-                    heap, small = small, []
+                    heap = later.pop()
                     heapify(heap)
+                    continue
                 old, sid, s = heappop(heap)
                 if s.state is not RESIDENT or s.locks:
                     continue
@@ -809,6 +815,13 @@ class Runtime:
             else:
                 del pins[c.storage]
         self.unlock(cells)
+
+    def protect_new(self, on: bool) -> None:
+        """With ``on``, storages made from this call on are evicted (or swapped) only when
+        nothing else can go, until the next call: a plan's backward stage keeps what it makes
+        (its input's gradient above all) until the stage ends, as the plan's accounting
+        assumed. Each call with ``on`` starts a new protection; ``on=False`` ends it."""
+        self._protected_from = self.next_sid if on else _NEVER
 
     def evict(self, storages: Iterable[Storage]) -> int:
         """Evict those of ``storages`` that can go now (resident, unlocked, recomputable): a

@@ -173,6 +173,11 @@ class RecordingRuntime(Runtime):
             return super().unpin(cells)
         self._call({"e": "unpin", "cells": [self._cid(c) for c in cells]}, super().unpin, cells)
 
+    def protect_new(self, on: bool) -> None:
+        if self._depth:
+            return super().protect_new(on)
+        self._call({"e": "protect", "on": on}, super().protect_new, on)
+
     def evict(self, storages: Iterable[Storage]) -> int:
         if self._depth:
             return super().evict(storages)

@@ -244,6 +244,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.unpin([cell(c) for c in event["cells"]])
         elif kind == "evict":
             rt.evict([cell(c).storage for c in event["cells"]])
+        elif kind == "protect":
+            rt.protect_new(event["on"])
         elif kind == "end":
             rt.close()
         elif kind not in ("begin", "budget"):
