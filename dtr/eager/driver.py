@@ -255,7 +255,7 @@ class Driver:
             state = rng.capture(args_v, kw_v) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
-            out = func(*args_v, **kw_v)
+            out = facts.kernel(*args_v, **kw_v)
             seconds = perf_counter() - t0
         except BaseException:
             rt.unlock(inputs)
@@ -379,7 +379,7 @@ class Driver:
             state = rng.capture(vals, {}) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
-            out = func(*vals)
+            out = facts.kernel(*vals)
             seconds = perf_counter() - t0
         except BaseException:
             rt.unlock(inputs)

@@ -56,6 +56,7 @@ class OpFacts:
 
     __slots__ = (
         "func",
+        "kernel",
         "name",
         "kind",
         "view_of",
@@ -73,6 +74,9 @@ class OpFacts:
 
     def __init__(self, func) -> None:
         self.func = func
+        # What OpOverload.__call__ calls: calling it directly spares that Python frame (0.7 us
+        # of the 3.3 us an add of two 64x64 tensors takes through the overload, on the 2-core VM).
+        self.kernel = func._op
         self.name = str(func)
         self.kind = Kind.COMPUTE
         self.view_of: Optional[int] = None
