@@ -219,3 +219,39 @@ print(torch.equal(dtr.materialize(got), want))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["no", "dynamo", "True"], out.stdout
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t.transpose_(0, 1),  # aten.transpose_.default, whose out-of-place twin is transpose.int
+    lambda t: t.t_(),
+    lambda t: t.unsqueeze_(1),
+    lambda t: t.unsqueeze_(0).squeeze_(0),
+    lambda t: t.swapdims_(0, 1),
+    lambda t: t.as_strided_((8, 4), (1, 8)),
+], ids=["transpose_", "t_", "unsqueeze_", "squeeze_", "swapdims_", "as_strided_"])
+def test_in_place_view_changes_of_managed_tensors(change):
+    """``x.transpose_(0, 1)`` and friends on a tensor the engine manages: the same object takes
+    the new view, values and gradients are eager's, also when the tensor is evicted and
+    rematerialized."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def program(x):
+        h = x @ w
+        y = h * 2  # saves nothing for backward: in-place view changes of it are allowed
+        z = change(y)
+        assert z is y
+        fillers = [x @ w * k for k in range(1, 6)]  # make evicting y worth it
+        return (y.sum(dim=0) * torch.arange(y.shape[1], dtype=y.dtype)).sum() + sum(f.sum() for f in fillers)
+
+    x = torch.randn(8, 8)
+    expected = program(x)
+    (eager_grad,) = torch.autograd.grad(expected, w)
+    for limit in (None, 5 * 8 * 8 * 4):
+        with dtr.budget(limit, cost="estimate") as engine:
+            got = program(x)
+            (grad,) = torch.autograd.grad(got, w)
+            got = dtr.materialize(got)
+        assert torch.allclose(got, expected) and torch.allclose(grad, eager_grad)
+        if limit is not None:
+            assert engine.stats().evictions > 0

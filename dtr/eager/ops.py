@@ -130,6 +130,19 @@ _PLAIN_OUTPUTS = {
 _PLACEHOLDERS = {"aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided", "aten::empty_like"}
 
 
+def _functional_twin(func, base: str):
+    """The out-of-place overload of in-place view op ``func`` (``transpose_.default`` ->
+    ``transpose.int``): the overload of ``base`` with the same arguments. Overload names do
+    not always match."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = getattr(aten, base)
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if [(a.name, str(a.type)) for a in op._schema.arguments] == want:
+            return op
+    raise NotImplementedError(f"dtr: no out-of-place form of {func} found among aten.{base}'s overloads")
+
+
 def facts_for(func) -> OpFacts:
     """The (cached) facts of ``func``."""
     f = FACTS.get(func)
@@ -195,8 +208,7 @@ def _compute(func) -> OpFacts:
     elif torch.Tag.inplace_view in tags:
         f.kind = Kind.INPLACE_VIEW
         f.view_of = 0
-        base = name.split("::")[1].rstrip("_")
-        f.functional = getattr(getattr(aten, base), func._overloadname)
+        f.functional = _functional_twin(func, name.split("::")[1].rstrip("_"))
     elif name in _HIDDEN_WRITES:
         f.training_arg, f.hidden_writes, f.replay_stats = _HIDDEN_WRITES[name]
         f.written = ()  # handled through hidden_writes, whatever the schema says
