@@ -17,9 +17,10 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    checkpoints are pinned until their gradient has been computed. In the backward pass, what a
    planning stage's backward makes (the gradient of its input above all, which the next
    backward step reads) is protected (``Runtime.protect_new``: evicted only when nothing else
-   can go) until the next stage's backward begins, as the plan's accounting assumed.
-   Everything else, including every recomputation in the backward pass, is ordinary DTR: the
-   heuristic handles what the plan did not foresee.
+   can go) until the next stage's backward begins, and then what the finished stage's forward
+   made or recomputed that the program no longer holds is evicted (its lineage stays), as the
+   plan's accounting assumed. Everything else, including every recomputation in the backward
+   pass, is ordinary DTR: the heuristic handles what the plan did not foresee.
 
 A pass that does not run the stages in order (control flow that skips one, a stage called
 twice) applies nothing more from that point; a new signature is profiled, never given another
@@ -127,6 +128,8 @@ class _Pass:
         self.m0 = 0
         self.saved_peak = 0
         self.previous: List[Storage] = []  # output storages of the previous (planning) stage
+        self.made: Dict[int, List[Storage]] = {}  # planning stage (last module) -> what its forward made
+        self.in_backward: Optional[int] = None  # planning stage whose backward is running
         self.profile: Optional[_Profile] = None
 
 
@@ -137,6 +140,7 @@ class _Segment:
         self.profiles: Dict[tuple, Tuple[Chain, int, List[Tuple[int, int]]]] = {}
         self.plans: Dict[Tuple[tuple, Optional[int]], Optional[Plan]] = {}  # (signature, budget)
         self.active: Optional[_Pass] = None
+        self.last_applied: Optional[_Pass] = None  # the latest pass the plan held for
 
 
 class Seeding:
@@ -272,11 +276,13 @@ class Seeding:
                         rt.pin(cells)
                         self._pinned.append(cells)
                         self._watch_gradient(output, lambda: self._unpin(cells))
-                    self._watch_gradient(output, lambda: self._stage_backward(seg, p))
+                    p.made[k] = made
+                    self._watch_gradient(output, lambda: self._stage_backward(seg, p, k))
                 p.previous = outs
                 p.next = k + 1
             if p.next == len(seg.modules) and p.mode == "apply":
                 seg.active = None
+                seg.last_applied = p
 
         return post
 
@@ -310,7 +316,7 @@ class Seeding:
                     rt.unpin(cells)
                     return
 
-    def _stage_backward(self, seg: _Segment, p: _Pass) -> None:
+    def _stage_backward(self, seg: _Segment, p: _Pass, k: int) -> None:
         """A planned stage's backward begins (its output's gradient exists): what it makes,
         its input's gradient above all, is evicted only as a last resort until the next stage's
         backward begins, as the plan's accounting assumed (Note [Seeding])."""
@@ -322,6 +328,19 @@ class Seeding:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_protection(seg))
             self._protecting = seg
             rt.protect_new(True)
+            self._stage_done(p)
+            p.in_backward = k
+
+    def _stage_done(self, p: _Pass) -> None:
+        """The backward of the stage ``p.in_backward`` is over: what its forward made (or
+        recomputed) and the program no longer holds leaves memory (evicted: its lineage stays),
+        as the plan assumed. Left resident, it is lineage of the gradients downstream, and
+        its large evicted neighbourhood makes the heuristic keep it and evict the next
+        stage's fresh tape instead."""
+        done = p.made.pop(p.in_backward, None) if p.in_backward is not None else None
+        p.in_backward = None
+        if done:
+            self.driver.rt.evict([s for s in done if not s.refs])
 
     def _end_protection(self, seg: _Segment) -> None:
         """The segment's backward is over (its input's gradient exists, or the backward pass
@@ -332,6 +351,10 @@ class Seeding:
         with rt.lock:
             self._protecting = None
             rt.protect_new(False)
+            p = seg.last_applied
+            if p is not None:
+                self._stage_done(p)
+                seg.last_applied = None
 
     def _backward_reached(self, seg: _Segment, p: _Pass, k: int) -> None:
         """Profiling: the gradient of stage ``k``'s output exists (``k = -1``: the segment's
