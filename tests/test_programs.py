@@ -34,13 +34,14 @@ import dtr
 
 N = 6  # square size of the initial tensors
 
-INPLACE = {"add_", "mul_", "relu_", "select_mul_", "slice_add_"}
+INPLACE = {"add_", "mul_", "relu_", "select_mul_", "slice_add_", "transpose_", "unsqueeze_"}
 OPS = (
     "matmul", "add", "mul", "sigmoid", "tanh", "relu", "exp",
     "sum_dim", "mean_dim", "sum",
     "t", "view", "reshape", "expand",
     "slice", "slice_step", "select",
     "add_", "mul_", "relu_", "select_mul_", "slice_add_",
+    "transpose_", "unsqueeze_",  # the tensor object itself becomes another view
     "cat", "split", "chunk",
     "dropout",
     "drop",
@@ -106,6 +107,9 @@ def interpret(program, leaves, consts, ran: Optional[set] = None) -> List[Entry]
         return [e for e in pool if _broadcasts(want, e.t.shape) == want]
 
     for op, i, j, k in program:
+        # Views taken by the previous instruction die with it unless the pool keeps them, in
+        # eager and in dtr alike (the in-place view rule below looks at the pool only).
+        v = parts = p = None
         if op == "drop":
             # Dropping references lets the engine free storages (and their lineage).
             if len(pool) > 1:
@@ -118,6 +122,12 @@ def interpret(program, leaves, consts, ran: Optional[set] = None) -> List[Entry]
                 every = [e for e in every if e.t.dim() >= 1]
             elif op == "slice_add_":
                 every = [e for e in every if e.t.dim() == 2 and e.t.shape[1] > 1]
+            elif op in ("transpose_", "unsqueeze_"):
+                # Not on a base with a view that requires grad: dtr refuses that (a tensor
+                # subclass's view would get a wrong gradient; test_tensors.py checks the error).
+                viewed = {id(e.t._base) for e in pool if e.t._base is not None and e.t.requires_grad}
+                every = [e for e in every if (e.t.dim() == 2) == (op == "transpose_")
+                         and not (e.t.requires_grad and id(e.t) in viewed)]
         elif op in ("matmul", "t"):
             every = [e for e in pool if e.t.dim() == 2]
         elif op in ("sum_dim", "mean_dim", "select", "slice", "cat", "split", "chunk"):
@@ -186,6 +196,10 @@ def interpret(program, leaves, consts, ran: Optional[set] = None) -> List[Entry]
             x.add_(y) if op == "add_" else x.mul_(y)
         elif op == "relu_":
             x.relu_()
+        elif op == "transpose_":
+            x.t_() if j % 2 else x.transpose_(0, 1)
+        elif op == "unsqueeze_":
+            x.unsqueeze_(j % (x.dim() + 1))
         elif op == "select_mul_":
             v = x[0]
             v.mul_(2)

@@ -255,3 +255,26 @@ def test_in_place_view_changes_of_managed_tensors(change):
         assert torch.allclose(got, expected) and torch.allclose(grad, eager_grad)
         if limit is not None:
             assert engine.stats().evictions > 0
+
+
+def test_in_place_view_change_of_a_viewed_tensor_is_refused():
+    """After ``y.t_()``, autograd would rebuild the backward of ``v = y[0]`` by replaying the
+    view op on ``y`` as it is now (a tensor subclass's views are replayed, a plain tensor's
+    rebuilt with ``as_strided``): a wrong gradient, so dtr refuses with a clear error. Found by
+    the property tests. Without a live view, or without grad, the same op is fine."""
+    w = torch.randn(4, 4, requires_grad=True)
+    with dtr.budget(None):
+        y = w * 2
+        v = y[0]
+        with pytest.raises(dtr.DTRError, match="has a view requiring grad"):
+            y.t_()
+        assert y.shape == (4, 4) and v.shape == (4,)
+        del v
+        y.t_()  # no view left
+        (g,) = torch.autograd.grad((y * torch.arange(4.0)).sum(), w)
+    assert torch.equal(g, 2 * torch.arange(4.0).expand(4, 4).t())
+    with dtr.budget(None):
+        y = (w * 2).detach()
+        v = y[0]
+        y.t_()  # nothing requires grad: values only, as eager
+        assert torch.equal(dtr.materialize(y), (w * 2).detach().t())

@@ -89,6 +89,10 @@ class Driver:
             if kind is _VIEW or kind is _DETACH or kind is Kind.INPLACE_VIEW:
                 base = args[facts.view_of]
                 if type(base) is not DTRTensor or base._dtr.cell.storage.runtime is not rt:
+                    if kind is Kind.INPLACE_VIEW and type(base) is not DTRTensor:
+                        # Recorded ops hold this very tensor object, whose shape is about to
+                        # change: as for a write, they must not be replayed after it.
+                        self._before_constant_write([base])
                     return self.passthrough(func, args, kwargs)
                 if kind is _DETACH:
                     return self._alias(base)
@@ -146,11 +150,29 @@ class Driver:
 
     def _inplace_view(self, facts, func, base: DTRTensor, args, kwargs):
         """``x.unsqueeze_(0)`` and friends: ``x`` becomes a new view of the same storage."""
+        if base.requires_grad and base._base is None:
+            self._refuse_inplace_view_of_viewed_base(facts, base)
         twin = self._run(facts_for(facts.functional), facts.functional, args, kwargs)
         with _no_python_dispatch():
             func(base, *args[1:], **kwargs)  # updates the wrapper's own sizes and strides
         base._dtr.cell = twin._dtr.cell
         return base
+
+    def _refuse_inplace_view_of_viewed_base(self, facts, base: DTRTensor) -> None:
+        """Raise if an autograd view of ``base`` that requires grad is alive. After ``base``
+        changes shape in place, autograd rebuilds such a view's backward by replaying its view
+        op on ``base`` as it is *now* for a tensor subclass (``as_strided`` with the view's own
+        strides for a plain tensor): the gradient would be silently wrong. Scans the live
+        wrappers: this op is rare."""
+        for ref in list(self.rt._refs.values()):
+            v = ref()
+            if v is not None and v is not base and v._base is base and v.requires_grad:
+                raise DTRError(
+                    f"dtr: {facts.name} changes the shape of a tensor that has a view requiring "
+                    "grad; autograd would give that view a wrong gradient for a tensor subclass. "
+                    "Use the out-of-place op (x = x.transpose(0, 1), x = x.unsqueeze(0), ...) or "
+                    "take the view afterwards"
+                )
 
     def _unsupported(self, facts, args, kwargs) -> None:
         for a in list(args) + list(kwargs.values()):
