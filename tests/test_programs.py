@@ -373,6 +373,14 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
     seed=2,
     fraction=1.0,
 )
+# An in-place view change of a constant (made before the block) that recorded ops read: they
+# hold that tensor object, and a replay used its new shape.
+@example(
+    program=[("add", 0, 1, 0), ("matmul", 0, 0, 0), ("matmul", 0, 0, 0), ("matmul", 0, 0, 0),
+             ("unsqueeze_", 0, 0, 0)],
+    seed=0,
+    fraction=0.5,
+)
 def test_random_program_matches_eager_or_runs_out_of_budget(program, seed, fraction):
     eager = run_eager(program, seed)
     # dtr only has to agree with eager where eager succeeds.
