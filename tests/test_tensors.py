@@ -260,14 +260,18 @@ def test_in_place_view_changes_of_managed_tensors(change):
 def test_in_place_view_change_of_a_viewed_tensor_is_refused():
     """After ``y.t_()``, autograd would rebuild the backward of ``v = y[0]`` by replaying the
     view op on ``y`` as it is now (a tensor subclass's views are replayed, a plain tensor's
-    rebuilt with ``as_strided``): a wrong gradient, so dtr refuses with a clear error. Found by
-    the property tests. Without a live view, or without grad, the same op is fine."""
+    rebuilt with ``as_strided``): a wrong gradient, so dtr refuses with a clear error; the same
+    for an in-place view change of a view (``m.t().transpose_(0, 1)`` followed by a write to
+    ``m`` gave a wrong gradient). Found by the property tests. Without a view, or without
+    grad, the same ops are fine."""
     w = torch.randn(4, 4, requires_grad=True)
     with dtr.budget(None):
         y = w * 2
         v = y[0]
-        with pytest.raises(dtr.DTRError, match="has a view requiring grad"):
+        with pytest.raises(dtr.DTRError, match="is a view or has one"):
             y.t_()
+        with pytest.raises(dtr.DTRError, match="is a view or has one"):
+            v.unsqueeze_(0)  # t() then transpose_() on a view, then a write: wrong in autograd
         assert y.shape == (4, 4) and v.shape == (4,)
         del v
         y.t_()  # no view left

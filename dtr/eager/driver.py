@@ -150,29 +150,34 @@ class Driver:
 
     def _inplace_view(self, facts, func, base: DTRTensor, args, kwargs):
         """``x.unsqueeze_(0)`` and friends: ``x`` becomes a new view of the same storage."""
-        if base.requires_grad and base._base is None:
-            self._refuse_inplace_view_of_viewed_base(facts, base)
+        if base.requires_grad:
+            self._refuse_inplace_view_with_views(facts, base)
         twin = self._run(facts_for(facts.functional), facts.functional, args, kwargs)
         with _no_python_dispatch():
             func(base, *args[1:], **kwargs)  # updates the wrapper's own sizes and strides
         base._dtr.cell = twin._dtr.cell
         return base
 
-    def _refuse_inplace_view_of_viewed_base(self, facts, base: DTRTensor) -> None:
-        """Raise if an autograd view of ``base`` that requires grad is alive. After ``base``
-        changes shape in place, autograd rebuilds such a view's backward by replaying its view
-        op on ``base`` as it is *now* for a tensor subclass (``as_strided`` with the view's own
-        strides for a plain tensor): the gradient would be silently wrong. Scans the live
+    def _refuse_inplace_view_with_views(self, facts, base: DTRTensor) -> None:
+        """Raise if ``base`` (which requires grad) is a view, or has a live view that requires
+        grad. Changing its shape in place bumps the version its views share, and autograd then
+        rebuilds their backward by replaying their view ops on the base as it is *now* for a
+        tensor subclass (eager uses ``as_strided`` with each view's own strides): gradients
+        come out wrong (``t()`` then ``transpose_``) or autograd raises. Scans the live
         wrappers: this op is rare."""
-        for ref in list(self.rt._refs.values()):
-            v = ref()
-            if v is not None and v is not base and v._base is base and v.requires_grad:
-                raise DTRError(
-                    f"dtr: {facts.name} changes the shape of a tensor that has a view requiring "
-                    "grad; autograd would give that view a wrong gradient for a tensor subclass. "
-                    "Use the out-of-place op (x = x.transpose(0, 1), x = x.unsqueeze(0), ...) or "
-                    "take the view afterwards"
-                )
+        views = base._base is not None
+        if not views:
+            for ref in list(self.rt._refs.values()):
+                v = ref()
+                if v is not None and v is not base and v._base is base and v.requires_grad:
+                    views = True
+                    break
+        if views:
+            raise DTRError(
+                f"dtr: {facts.name} changes the shape of a tensor that requires grad and is a view "
+                "or has one; autograd would rebuild those views' gradients wrongly for a tensor "
+                "subclass. Use the out-of-place op (x = x.transpose(0, 1), x = x.unsqueeze(0), ...)"
+            )
 
     def _unsupported(self, facts, args, kwargs) -> None:
         for a in list(args) + list(kwargs.values()):
