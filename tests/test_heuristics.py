@@ -5,8 +5,8 @@
   keeps the scoring contract (evictions at a fixed clock never lower another score).
 * The candidate index picks what a brute-force scan of every candidate would: a victim whose
   score is the lowest (to the index's relative 1e-5), never locked, pinned or unrecomputable,
-  small only when nothing larger can go, protected (``Runtime.protect_new``) only when nothing
-  else can. Checked at every pick, on shipped traces, random
+  protected (``Runtime.protect_new``) only when no unprotected storage of ordinary size can go,
+  small only when nothing else can. Checked at every pick, on shipped traces, random
   programs, and a stateful machine that mutates, views and releases.
 * The evicted neighbourhoods against brute force on random graphs: "dtr"'s exact e*, "msps"'s
   e_R, and "dtr_eq"'s union-find approximation (equal to the evicted components around a
@@ -178,7 +178,8 @@ class CheckedIndex(CandidateIndex):
         now, h = self._now, self.heuristic
         candidates = [t for t in self.resident if not t.locks and t.recomputable]
         unprotected = [t for t in candidates if t.sid < self.protected_from]
-        pool = [t for t in unprotected if t.nbytes >= self._small_below] or unprotected or candidates
+        protected = [t for t in candidates if t.sid >= self.protected_from]
+        pool = [t for t in unprotected if t.nbytes >= self._small_below] or protected or candidates
         if s is None:
             assert not pool, f"no victim picked among {len(pool)} candidates"
         else:
@@ -268,32 +269,38 @@ def test_pinned_storages_are_never_evicted():
 
 @pytest.mark.parametrize("name", BUILTINS + [ScoreOnly.name])
 def test_protected_storages_go_last(name):
-    """Storages made under ``protect_new`` are evicted only when nothing else can go (both
-    searches: the candidate index, and rescoring for a score-only heuristic). That they are
-    ordinary candidates again once the protection ends is checked pick by pick by the
-    stateful test (``protect`` rule) against a brute-force scan."""
+    """Storages made under ``protect_new`` are evicted only when no unprotected storage of
+    ordinary size can go, and before the small ones (a held loss: evicting it frees nothing and
+    recomputing it replays a whole forward pass), in both searches (the candidate index, and
+    rescoring for a score-only heuristic). The protected ones are the stalest, so that a
+    heuristic left alone would take them first. That they are ordinary candidates again once
+    the protection ends is checked pick by pick by the stateful test (``protect`` rule)
+    against a brute-force scan."""
     rt = Runtime(None, make_heuristic(name), FakeExecutor())
-    held, cells = [], []
+    held = []
 
-    def make(i):
-        ins = cells[-1:]
-        rec = OpRecord(f"op{i}", ins, lambda vals, i=i: [i], cost=1.0)
+    def make(nbytes, ins):
+        rec = OpRecord(f"op{len(held)}", ins, lambda vals, i=len(held): [i], cost=1.0)
         rt.acquire(ins)
-        (c,) = rt.complete(rec, [], [(100, i, None)])
+        (c,) = rt.complete(rec, [], [(nbytes, len(held), None)])
         held.append(Handle())
         rt.track(held[-1], c)
-        cells.append(c)
+        return c
 
-    for i in range(3):
-        make(i)
+    small = make(10, [])  # under 1% of the mean resident size: the last resort
+    plain = [make(10_000, []) for _ in range(3)]
     rt.protect_new(True)
-    for i in range(3, 6):
-        make(i)
-    rt.set_budget(400)  # two must go: the protected three stay
-    assert [c.storage.state for c in cells[3:]] == [State.RESIDENT] * 3, name
-    rt.set_budget(200)  # all unprotected ones and one protected: a last resort, not an error
-    assert [c.storage.state for c in cells[:3]] == [State.EVICTED] * 3, name
-    assert sum(c.storage.state is State.EVICTED for c in cells[3:]) == 1, name
+    protected = [make(10_000, []) for _ in range(3)]
+    make(10, plain)  # reads the unprotected ones: the protected are now the stalest
+    states = lambda cells: [c.storage.state for c in cells]  # noqa: E731
+    rt.set_budget(rt.memory - 20_000)  # two must go, both unprotected
+    assert states(protected) == [State.RESIDENT] * 3, name
+    rt.set_budget(rt.memory - 20_000)  # the last unprotected one, then one protected
+    assert states(plain) == [State.EVICTED] * 3, name
+    assert states(protected).count(State.EVICTED) == 1, name
+    rt.set_budget(rt.memory - 10_005)  # more protected ones go, not the small unprotected one
+    assert states(protected).count(State.EVICTED) >= 2, name
+    assert small.storage.state is State.RESIDENT, name
     rt.check_invariants()
 
 

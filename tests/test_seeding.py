@@ -105,12 +105,13 @@ def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
     """The gradient a stage's backward makes for its input is what the plan's next backward
     step reads: the seeded step protects it (``Runtime.protect_new``) instead of letting DTR
     evict it between the op that made it and its reader, then recompute it. Without that, the
-    bench MLP at 0.4 of its peak replayed six backward ``mm`` ops (docs/planner.md)."""
+    bench MLP at 0.35 of its peak replays six backward ``mm`` ops (99 ms, against 60 ms with
+    it; at 0.4 it was six before finished stages were evicted, docs/planner.md)."""
     w = zoo.build("mlp", "bench")
     eager = run_step(w, fresh_model(w), "eager")
     peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
     model = fresh_model(w)
-    engine = dtr.budget(int(peak * 0.4), cost="estimate", plan=[model.body])
+    engine = dtr.budget(int(peak * 0.35), cost="estimate", plan=[model.body])
     path = tmp_path / "seeded.jsonl"
     replayed = []
     original = Driver.replay
@@ -132,17 +133,20 @@ def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
     assert [e["on"] for e in events] == [True] * len(chain.forward_time) + [False]
 
 
-@pytest.mark.parametrize("name, segment, fraction", [
-    ("transformer", lambda m: m.blocks, 0.5),
-    ("mlp", lambda m: m.body, 0.4),
+@pytest.mark.parametrize("name, segment, fraction, bound", [
+    ("transformer", lambda m: m.blocks, 0.5, 1.02),
+    ("mlp", lambda m: m.body, 0.4, 1.02),
+    # 28.9 ms against 25.3 (docs/planner.md, what is left); 81 ms when the held loss, a small
+    # storage, was evicted before the protected ones and recomputed with the whole forward.
+    ("mlp", lambda m: m.body, 0.5, 1.2),
 ])
-def test_a_seeded_step_recomputes_what_its_plan_does(name, segment, fraction):
-    """The seeded step's replays cost what the plan's recomputation does (2%), on the bench
-    models. Without evicting a finished backward stage's leftovers (what its forward made or
-    recomputed that the program no longer holds), they stayed resident as lineage of the
-    gradients downstream, crowded the next stage's fresh tape out, and the transformer replayed
-    212 ms against the plan's 176 ms; without protecting the gradients a stage makes, the MLP
-    replayed 86 ms against 55 ms (docs/planner.md)."""
+def test_a_seeded_step_recomputes_what_its_plan_does(name, segment, fraction, bound):
+    """The seeded step's replays cost what the plan's recomputation does (2%, or the bound
+    given), on the bench models. Without evicting a finished backward stage's leftovers (what
+    its forward made or recomputed that the program no longer holds), they stayed resident as
+    lineage of the gradients downstream, crowded the next stage's fresh tape out, and the
+    transformer replayed 212 ms against the plan's 176 ms; without it, the MLP at 0.4 replayed
+    58 ms against 55 (docs/planner.md)."""
     w = zoo.build(name, "bench")
     peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
     model = fresh_model(w)
@@ -160,7 +164,40 @@ def test_a_seeded_step_recomputes_what_its_plan_does(name, segment, fraction):
 
     with mock.patch.object(Driver, "replay", logged):
         run_step_in(w, model, engine)
-    assert planned > 0 and sum(replayed) <= 1.02 * planned
+    assert planned > 0 and sum(replayed) <= bound * planned
+
+
+def test_two_chained_segments_end_their_backward_cleanly():
+    """Two segments, the second reading the first's output, several steps in one block: the
+    first segment's last stage and the second's input share a gradient, whose hooks fire in
+    the first segment's favour. After every backward pass, protection is off and no pass is
+    left open (found by review: protection stayed on, and every later storage was a last
+    resort). Gradients stay eager's."""
+    torch.manual_seed(0)
+
+    def segment():
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+                                     for _ in range(6)])
+
+    s1, s2 = segment(), segment()
+    x = torch.randn(64, 256)
+    params = list(s1.parameters()) + list(s2.parameters())
+    s2(s1(x)).pow(2).mean().backward()
+    eager = [q.grad.clone() for q in params]
+    probe = dtr.budget(None, cost="estimate")
+    with probe:
+        s2(s1(x)).pow(2).mean().backward()
+    engine = dtr.budget(int(probe.stats().peak_resident_bytes * 0.9), cost="estimate", plan=[s1, s2])
+    with engine:
+        rt = engine._driver.rt
+        for step in range(3):
+            for q in params:
+                q.grad = None
+            s2(s1(x)).pow(2).mean().backward()
+            assert rt._protected_from == float("inf"), f"step {step}: protection left on"
+            assert not engine._seeding._open, f"step {step}: a pass left open"
+            assert all(torch.equal(q.grad, e) for q, e in zip(params, eager))
+    assert all(p is not None for plans in engine.plans() for p in plans.values()), "both planned"
 
 
 def test_a_new_input_shape_is_profiled_not_given_another_plan():

@@ -16,8 +16,8 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    tensors evicted when they end, ``F_none`` stages also evict their input once read, and
    checkpoints are pinned until their gradient has been computed. In the backward pass, what a
    planning stage's backward makes (the gradient of its input above all, which the next
-   backward step reads) is protected (``Runtime.protect_new``: evicted only when nothing else
-   can go) until the next stage's backward begins, and then what the finished stage's forward
+   backward step reads) is protected (``Runtime.protect_new``: evicted only when no other
+   storage of ordinary size can go) until the next stage's backward begins, and then what the finished stage's forward
    made or recomputed that the program no longer holds is evicted (its lineage stays), as the
    plan's accounting assumed. Everything else, including every recomputation in the backward
    pass, is ordinary DTR: the heuristic handles what the plan did not foresee.
@@ -25,6 +25,9 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
 A pass that does not run the stages in order (control flow that skips one, a stage called
 twice) applies nothing more from that point; a new signature is profiled, never given another
 signature's plan. An infeasible share leaves the segment to plain DTR (with a warning).
+The backward phase is tracked per backward pass, not per segment: one autograd callback at
+its end turns protection off and finishes every pass still open (two chained segments share a
+gradient, and its hooks fire in the first segment's favour before the second's input is done).
 Profiled sizes are the engine's: constants (parameters, a segment input made before the block)
 cost nothing, and the transient overheads are approximations (peak during the stage minus what
 it kept).
@@ -140,7 +143,6 @@ class _Segment:
         self.profiles: Dict[tuple, Tuple[Chain, int, List[Tuple[int, int]]]] = {}
         self.plans: Dict[Tuple[tuple, Optional[int]], Optional[Plan]] = {}  # (signature, budget)
         self.active: Optional[_Pass] = None
-        self.last_applied: Optional[_Pass] = None  # the latest pass the plan held for
 
 
 class Seeding:
@@ -152,7 +154,11 @@ class Seeding:
         self.budget: Optional[int] = None
         self._handles: list = []
         self._pinned: List[list] = []  # cell lists pinned and not yet unpinned
-        self._protecting: Optional[_Segment] = None  # whose backward stage protects what it makes
+        # Applied passes whose backward has begun, the one whose stage protects what it makes,
+        # and whether the end-of-backward callback is queued.
+        self._open: List[_Pass] = []
+        self._protecting: Optional[_Pass] = None
+        self._callback_queued = False
         self._warned = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -176,10 +182,9 @@ class Seeding:
         with rt.lock:
             for cells in self._pinned:
                 rt.unpin(cells)
-            if self._protecting is not None:
-                rt.protect_new(False)
+            self._close_backward()
         self._pinned = []
-        self._protecting = None
+        self._callback_queued = False
         for seg in self.segments:
             seg.active = None
         self.driver = None
@@ -262,7 +267,7 @@ class Seeding:
                         self._watch_gradient(args[0] if args else None, lambda: self._backward_reached(seg, p, -1))
                 else:
                     if k == 0:
-                        self._watch_gradient(args[0] if args else None, lambda: self._end_protection(seg))
+                        self._watch_gradient(args[0] if args else None, lambda: self._segment_backward_done(p))
                     hint = p.hints.get(k)
                     if hint is None:  # inside a planning stage
                         p.next = k + 1
@@ -282,7 +287,6 @@ class Seeding:
                 p.next = k + 1
             if p.next == len(seg.modules) and p.mode == "apply":
                 seg.active = None
-                seg.last_applied = p
 
         return post
 
@@ -317,19 +321,25 @@ class Seeding:
                     return
 
     def _stage_backward(self, seg: _Segment, p: _Pass, k: int) -> None:
-        """A planned stage's backward begins (its output's gradient exists): what it makes,
-        its input's gradient above all, is evicted only as a last resort until the next stage's
-        backward begins, as the plan's accounting assumed (Note [Seeding])."""
-        if self.driver is None or p.next != len(seg.modules):  # a pass the plan did not hold for
+        """A planned stage's backward begins (its output's gradient exists): the previous
+        stage's is over (``_stage_done``), and what this one makes, its input's gradient above
+        all, is evicted only as a last resort until the next stage's backward begins, as the
+        plan's accounting assumed (Note [Seeding])."""
+        d = self.driver
+        if d is None or p.next != len(seg.modules):  # a pass the plan did not hold for
             return
-        rt = self.driver.rt
-        with rt.lock:
-            if self._protecting is None:
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_protection(seg))
-            self._protecting = seg
-            rt.protect_new(True)
+        with d.rt.lock:
+            if self.driver is None:
+                return
+            if not self._callback_queued:  # one per backward pass, whatever the segments
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
             self._stage_done(p)
             p.in_backward = k
+            if p not in self._open:
+                self._open.append(p)
+            self._protecting = p
+            d.rt.protect_new(True)
 
     def _stage_done(self, p: _Pass) -> None:
         """The backward of the stage ``p.in_backward`` is over: what its forward made (or
@@ -342,19 +352,38 @@ class Seeding:
         if done:
             self.driver.rt.evict([s for s in done if not s.refs])
 
-    def _end_protection(self, seg: _Segment) -> None:
-        """The segment's backward is over (its input's gradient exists, or the backward pass
-        ended)."""
-        if self.driver is None or self._protecting is not seg:
+    def _segment_backward_done(self, p: _Pass) -> None:
+        """The gradient of the segment's input exists: the backward of pass ``p``'s first
+        stage is over."""
+        d = self.driver
+        if d is None:
             return
-        rt = self.driver.rt
-        with rt.lock:
+        with d.rt.lock:
+            if self.driver is None or p not in self._open:
+                return
+            self._stage_done(p)
+            self._open.remove(p)
+            if self._protecting is p:
+                self._protecting = None
+                d.rt.protect_new(False)
+
+    def _backward_over(self) -> None:
+        """End of a backward pass (autograd's queued callback)."""
+        d = self.driver
+        if d is None:
+            return
+        with d.rt.lock:
+            if self.driver is not None:
+                self._close_backward()
+                self._callback_queued = False
+
+    def _close_backward(self) -> None:
+        for p in self._open:
+            self._stage_done(p)
+        self._open = []
+        if self._protecting is not None:
             self._protecting = None
-            rt.protect_new(False)
-            p = seg.last_applied
-            if p is not None:
-                self._stage_done(p)
-                seg.last_applied = None
+            self.driver.rt.protect_new(False)
 
     def _backward_reached(self, seg: _Segment, p: _Pass, k: int) -> None:
         """Profiling: the gradient of stage ``k``'s output exists (``k = -1``: the segment's

@@ -41,9 +41,10 @@ wins a later pick.
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
 so long-held pins cost O(pins) per round); storages under the round's small-storage threshold
-("stashed": a last resort, scanned only when nothing larger can go); storages made since the
-runtime's protection began ("protected", ``Runtime.protect_new``: the very last resort, scanned
-only when nothing else can go, and active again once the protection moves past them).
+("stashed": the last resort, scanned only when nothing else can go); storages made since the
+runtime's protection began ("protected", ``Runtime.protect_new``: scanned when no unprotected
+storage of ordinary size can go, before the small ones, whose eviction frees next to nothing;
+active again once the protection moves past them).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked or unstashed.
@@ -129,8 +130,8 @@ class CandidateIndex:
               protected_from: float = _INF) -> None:
         """Start an eviction round at clock ``now``: bring the rows up to date with what
         happened since the last round, and bound every score. ``resident`` is the runtime's
-        insertion-ordered resident set; storages under ``small_below`` bytes are a last
-        resort, storages whose sid is ``protected_from`` or later the very last."""
+        insertion-ordered resident set; storages whose sid is ``protected_from`` or later are
+        a last resort, storages under ``small_below`` bytes the very last."""
         self._now = now
         self._small_below = small_below
         moved = protected_from != self._protected_from
@@ -176,7 +177,7 @@ class CandidateIndex:
     def pick(self) -> Optional[Storage]:
         """The round's next victim: a candidate (resident, unlocked, recomputable) with the
         lowest score (Note [Candidate index]: up to ``_TOL``) among the unprotected ones at or
-        above the small threshold if any, else among the unprotected ones, else among all; None
+        above the small threshold if any, else among the protected ones, else among all; None
         if there is no candidate. The caller evicts it before the next ``pick``."""
         self._picks += 1
         buf, checked, rows = self._buf, self._checked, self._rows
@@ -192,8 +193,8 @@ class CandidateIndex:
                     self._examine(slot)  # scored before this round's last eviction: re-score
                     continue
             elif lb == _INF:
-                s = self._best_of(self._stashed)
-                return s if s is not None else self._best_of(self._protected)
+                s = self._best_of(self._protected)
+                return s if s is not None else self._best_of(self._stashed)
             buf[i] = _INF
             self._examine(i)
 
@@ -227,14 +228,15 @@ class CandidateIndex:
         """Give a storage that became resident a row (with an exact bound)."""
         if not self._free:
             self._grow()
-        active = self._recomputable(s) and s.nbytes >= self._small_below
+        protected = s.sid >= self._protected_from  # the only way in: protection only moves forward
+        active = not protected and self._recomputable(s) and s.nbytes >= self._small_below
         if active:  # before taking a slot: a key that raises leaves nothing half done
             key, floor = self._key(s), self._floor(s)
         slot = self._free.pop()
         self._rows[slot] = s
         s.slot = slot
         self._used += 1
-        if s.sid >= self._protected_from:  # the only way in: the protection only moves forward
+        if protected:
             self._protect(slot, s)
         elif active:
             self._set(slot, s, key, floor)
@@ -350,7 +352,7 @@ class CandidateIndex:
                     self._activate(slot, s)  # locked: parked when examined
 
     def _best_of(self, rows: Dict[int, Storage]) -> Optional[Storage]:
-        """A last resort: the best candidate among ``rows`` (stashed or protected), by a scan
+        """A last resort: the best candidate among ``rows`` (protected or stashed), by a scan
         (rare: nothing in an earlier tier can go)."""
         best = None
         now = self._now

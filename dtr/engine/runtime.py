@@ -543,7 +543,7 @@ class Runtime:
         Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
         only when nothing larger can go: evicting them frees next to nothing, and recomputing
         one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
-        outright). Storages under ``protect_new`` come after them.
+        outright). Storages under ``protect_new`` come before them, after every other one.
 
         With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
         index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
@@ -582,7 +582,7 @@ class Runtime:
                     tier = protected if s.sid >= protected_from else heap if s.nbytes >= small_below else small
                     tier.append((score(s, now), s.sid, s))
         heapify(heap)
-        later = [protected, small]  # the last resorts, popped from the end
+        later = [small, protected]  # the last resorts, popped from the end
         while self.memory > target:
             while True:
                 if not heap:
@@ -817,8 +817,8 @@ class Runtime:
         self.unlock(cells)
 
     def protect_new(self, on: bool) -> None:
-        """With ``on``, storages made from this call on are evicted (or swapped) only when
-        nothing else can go, until the next call: a plan's backward stage keeps what it makes
+        """With ``on``, storages made from this call on are evicted (or swapped) only when no
+        other storage of ordinary size can go (before the small ones), until the next call: a plan's backward stage keeps what it makes
         (its input's gradient above all) until the stage ends, as the plan's accounting
         assumed. Each call with ``on`` starts a new protection; ``on=False`` ends it."""
         self._protected_from = self.next_sid if on else _NEVER
