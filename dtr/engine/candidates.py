@@ -47,7 +47,7 @@ storage of ordinary size can go, before the small ones, whose eviction frees nex
 active again once the protection moves past them).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
-rows examined and one ``key`` per row registered, lowered, unparked or unstashed.
+rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected.
 """
 
 from __future__ import annotations
