@@ -177,8 +177,8 @@ class CheckedIndex(CandidateIndex):
         s = super().pick()
         now, h = self._now, self.heuristic
         candidates = [t for t in self.resident if not t.locks and t.recomputable]
-        unprotected = [t for t in candidates if t.sid < self.protected_from]
-        protected = [t for t in candidates if t.sid >= self.protected_from]
+        protected = [t for t in candidates if t.protected or t.sid >= self.protected_from]
+        unprotected = [t for t in candidates if t not in protected]
         pool = [t for t in unprotected if t.nbytes >= self._small_below] or protected or candidates
         if s is None:
             assert not pool, f"no victim picked among {len(pool)} candidates"
@@ -326,6 +326,33 @@ def test_protection_ends():
     rt.protect_new(False)
     rt.set_budget(500)
     assert cells[3].storage.state is State.EVICTED
+    rt.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["lru", ScoreOnly.name])
+def test_protect_and_unprotect_named_storages(name):
+    """``Runtime.protect`` on storages that already have an active row in the candidate index
+    (registered by an earlier round): they are passed over while others can go, and are the
+    stalest candidates again after ``unprotect``. Both searches."""
+    rt = Runtime(None, make_heuristic(name), FakeExecutor())
+    held = []
+
+    def make():
+        rec = OpRecord(f"op{len(held)}", [], lambda vals, i=len(held): [i], cost=1.0)
+        (c,) = rt.complete(rec, [], [(10_000, len(held), None)])
+        held.append(Handle())
+        rt.track(held[-1], c)
+        return c.storage
+
+    a = [make() for _ in range(4)]
+    rt.set_budget(rt.memory - 10_000)  # a round: the stalest goes, the others get rows
+    assert a[0].state is State.EVICTED
+    rt.protect([a[1]])
+    rt.set_budget(rt.memory - 10_000)
+    assert a[1].state is State.RESIDENT and a[2].state is State.EVICTED, name
+    rt.unprotect([a[1]])
+    rt.set_budget(rt.memory - 10_000)
+    assert a[1].state is State.EVICTED and a[3].state is State.RESIDENT, name
     rt.check_invariants()
 
 

@@ -190,6 +190,13 @@ class RuntimeMachine(RuleBasedStateMachine):
     def protect(self, on):
         self.rt.protect_new(on)
 
+    @rule(a=handles, on=st.booleans())
+    def protect_storage(self, a, on):
+        if a is None:
+            return
+        s = self.cell(a).storage
+        self.rt.protect([s]) if on else self.rt.unprotect([s])
+
     @precondition(lambda self: self.live)
     @rule()
     def flush(self):

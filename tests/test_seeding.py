@@ -128,13 +128,16 @@ def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
     assert all(torch.equal(g, e) for g, e in zip(grads, eager.grads))
     assert "aten.addmm.default" in replayed  # the plan recomputes forward stages
     assert "aten.mm.default" not in replayed  # and no gradient
-    events = [e for e in load(path).blocks[0] if e["e"] == "protect"]
+    events = [e for e in load(path).blocks[0] if e["e"] == "protect_new"]
     _, chain, _ = _plan_and_chain(engine)
     assert [e["on"] for e in events] == [True] * len(chain.forward_time) + [False]
 
 
 @pytest.mark.parametrize("name, segment, fraction, bound", [
     ("transformer", lambda m: m.blocks, 0.5, 1.02),
+    # 123 ms against 118; 148 ms when the tape the plan keeps (F_all) was not protected and
+    # DTR evicted part of it during the next block's backward.
+    ("transformer", lambda m: m.blocks, 0.6, 1.1),
     ("mlp", lambda m: m.body, 0.4, 1.02),
     # 28.9 ms against 25.3 (docs/planner.md, what is left); 81 ms when the held loss, a small
     # storage, was evicted before the protected ones and recomputed with the whole forward.

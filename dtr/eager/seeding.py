@@ -13,8 +13,10 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    share the segment can use: the budget minus what was resident when the segment started.
 3. From the next step with that signature on, the first forward sweep of the plan is applied
    as hints (``dtr.planner.hints``): stages the plan runs ``F_ck``/``F_none`` have their other
-   tensors evicted when they end, ``F_none`` stages also evict their input once read, and
-   checkpoints are pinned until their gradient has been computed. In the backward pass, what a
+   tensors evicted when they end, ``F_none`` stages also evict their input once read,
+   checkpoints are pinned until their gradient has been computed, and the tapes of ``F_all``
+   stages are protected (``Runtime.protect``: a last resort, not a pin) until their backward
+   ends. In the backward pass, what a
    planning stage's backward makes (the gradient of its input above all, which the next
    backward step reads) is protected (``Runtime.protect_new``: evicted only when no other
    storage of ordinary size can go) until the next stage's backward begins, and then what the finished stage's forward
@@ -132,6 +134,7 @@ class _Pass:
         self.saved_peak = 0
         self.previous: List[Storage] = []  # output storages of the previous (planning) stage
         self.made: Dict[int, List[Storage]] = {}  # planning stage (last module) -> what its forward made
+        self.kept: Dict[int, List[Storage]] = {}  # F_all stage -> its tape, protected until its backward ends
         self.in_backward: Optional[int] = None  # planning stage whose backward is running
         self.profile: Optional[_Profile] = None
 
@@ -154,6 +157,7 @@ class Seeding:
         self.budget: Optional[int] = None
         self._handles: list = []
         self._pinned: List[list] = []  # cell lists pinned and not yet unpinned
+        self._kept: List[list] = []  # tapes protected and not yet unprotected
         # Applied passes whose backward has begun, the one whose stage protects what it makes,
         # and whether the end-of-backward callback is queued.
         self._open: List[_Pass] = []
@@ -182,8 +186,11 @@ class Seeding:
         with rt.lock:
             for cells in self._pinned:
                 rt.unpin(cells)
+            for tape in self._kept:
+                rt.unprotect(tape)
             self._close_backward()
         self._pinned = []
+        self._kept = []
         self._callback_queued = False
         for seg in self.segments:
             seg.active = None
@@ -281,6 +288,10 @@ class Seeding:
                         rt.pin(cells)
                         self._pinned.append(cells)
                         self._watch_gradient(output, lambda: self._unpin(cells))
+                    if not hint.drop_tape:  # F_all: the plan holds the tape until the stage's backward
+                        tape = p.kept[k] = [s for s in made if s.refs]
+                        rt.protect(tape)
+                        self._kept.append(tape)
                     p.made[k] = made
                     self._watch_gradient(output, lambda: self._stage_backward(seg, p, k))
                 p.previous = outs
@@ -347,10 +358,18 @@ class Seeding:
         as the plan assumed. Left resident, it is lineage of the gradients downstream, and
         its large evicted neighbourhood makes the heuristic keep it and evict the next
         stage's fresh tape instead."""
-        done = p.made.pop(p.in_backward, None) if p.in_backward is not None else None
+        k = p.in_backward
+        if k is None:
+            return
         p.in_backward = None
+        rt = self.driver.rt
+        tape = p.kept.pop(k, None)
+        if tape is not None:
+            rt.unprotect(tape)
+            self._kept = [t for t in self._kept if t is not tape]
+        done = p.made.pop(k, None)
         if done:
-            self.driver.rt.evict([s for s in done if not s.refs])
+            rt.evict([s for s in done if not s.refs])
 
     def _segment_backward_done(self, p: _Pass) -> None:
         """The gradient of the segment's input exists: the backward of pass ``p``'s first

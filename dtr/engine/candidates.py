@@ -41,10 +41,12 @@ wins a later pick.
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
 so long-held pins cost O(pins) per round); storages under the round's small-storage threshold
-("stashed": the last resort, scanned only when nothing else can go); storages made since the
-runtime's protection began ("protected", ``Runtime.protect_new``: scanned when no unprotected
-storage of ordinary size can go, before the small ones, whose eviction frees next to nothing;
-active again once the protection moves past them).
+("stashed": the last resort, scanned only when nothing else can go); protected storages, made
+since the runtime's protection window began (``Runtime.protect_new``) or named to
+``Runtime.protect`` ("protected": scanned when no unprotected storage of ordinary size can go,
+before the small ones, whose eviction frees next to nothing; re-checked at each round start,
+active again once the window has moved past them and ``Runtime.unprotect`` named them; a row
+protected while active moves when examined, before it can be picked).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected.
@@ -130,11 +132,11 @@ class CandidateIndex:
               protected_from: float = _INF) -> None:
         """Start an eviction round at clock ``now``: bring the rows up to date with what
         happened since the last round, and bound every score. ``resident`` is the runtime's
-        insertion-ordered resident set; storages whose sid is ``protected_from`` or later are
-        a last resort, storages under ``small_below`` bytes the very last."""
+        insertion-ordered resident set; protected storages (sid ``protected_from`` or later,
+        or ``protected`` set) are a last resort, storages under ``small_below`` bytes the very
+        last."""
         self._now = now
         self._small_below = small_below
-        moved = protected_from != self._protected_from
         self._protected_from = protected_from
         self._checked = []
         self._picks = 0
@@ -161,7 +163,7 @@ class CandidateIndex:
             self._add(s)
         if self._parked:
             self._unpark()
-        if moved and self._protected:
+        if self._protected:
             self._unprotect()
         if self._stashed and small_below <= self._stash_max:
             self._unstash()
@@ -209,6 +211,8 @@ class CandidateIndex:
         s = self._rows[slot]
         if s is None or s.slot != slot or s.state is not RESIDENT:
             self._free_row(slot)
+        elif s.protected or s.sid >= self._protected_from:  # protected while it had a row
+            self._protect(slot, s)
         elif s.locks:
             self._parked[slot] = s
             self._deactivate(slot)
@@ -228,7 +232,7 @@ class CandidateIndex:
         """Give a storage that became resident a row (with an exact bound)."""
         if not self._free:
             self._grow()
-        protected = s.sid >= self._protected_from  # the only way in: protection only moves forward
+        protected = s.protected or s.sid >= self._protected_from
         active = not protected and self._recomputable(s) and s.nbytes >= self._small_below
         if active:  # before taking a slot: a key that raises leaves nothing half done
             key, floor = self._key(s), self._floor(s)
@@ -338,18 +342,23 @@ class CandidateIndex:
         self._deactivate(slot)
 
     def _unprotect(self) -> None:
-        """The protection moved: rows it no longer covers go back to their tier."""
+        """Rows no longer protected (the window moved past them, ``Runtime.unprotect`` named
+        them) go back to their tier. O(protected rows) per round, like parked ones."""
         for slot, s in list(self._protected.items()):
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
-            elif s.sid < self._protected_from:
+            elif s.sid < self._protected_from and not s.protected:
                 del self._protected[slot]
-                if not self._recomputable(s):
-                    continue  # dead: inactive until it leaves memory
-                if s.nbytes < self._small_below:
-                    self._stash(slot, s)
-                else:
-                    self._activate(slot, s)  # locked: parked when examined
+                self._restore(slot, s)
+
+    def _restore(self, slot: int, s: Storage) -> None:
+        """A row that left the protected tier: back to its own."""
+        if not self._recomputable(s):
+            return  # dead: inactive until it leaves memory
+        if s.nbytes < self._small_below:
+            self._stash(slot, s)
+        else:
+            self._activate(slot, s)  # locked: parked when examined
 
     def _best_of(self, rows: Dict[int, Storage]) -> Optional[Storage]:
         """A last resort: the best candidate among ``rows`` (protected or stashed), by a scan

@@ -543,7 +543,8 @@ class Runtime:
         Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
         only when nothing larger can go: evicting them frees next to nothing, and recomputing
         one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
-        outright). Storages under ``protect_new`` come before them, after every other one.
+        outright). Protected storages (``protect_new``, ``protect``) come before them, after
+        every other one.
 
         With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
         index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
@@ -579,7 +580,8 @@ class Runtime:
             if s.locks == 0:
                 rec = s.parent
                 if (rec is not None and rec.replayable) or host is not None:
-                    tier = protected if s.sid >= protected_from else heap if s.nbytes >= small_below else small
+                    tier = (protected if s.protected or s.sid >= protected_from
+                            else heap if s.nbytes >= small_below else small)
                     tier.append((score(s, now), s.sid, s))
         heapify(heap)
         later = [small, protected]  # the last resorts, popped from the end
@@ -822,6 +824,18 @@ class Runtime:
         (its input's gradient above all) until the stage ends, as the plan's accounting
         assumed. Each call with ``on`` starts a new protection; ``on=False`` ends it."""
         self._protected_from = self.next_sid if on else _NEVER
+
+    def protect(self, storages: Iterable[Storage]) -> None:
+        """Make ``storages`` a last resort of eviction, as ``protect_new`` does for new ones,
+        until ``unprotect``: what a plan holds that the heuristic should leave alone if it can
+        (a whole stage's tape: pinning it made budgets infeasible)."""
+        for s in storages:
+            s.protected = True
+
+    def unprotect(self, storages: Iterable[Storage]) -> None:
+        """Undo ``protect``."""
+        for s in storages:
+            s.protected = False
 
     def evict(self, storages: Iterable[Storage]) -> int:
         """Evict those of ``storages`` that can go now (resident, unlocked, recomputable): a

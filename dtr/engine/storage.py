@@ -92,6 +92,7 @@ class Storage:
         "runtime",
         "hdata",
         "slot",
+        "protected",
         "__weakref__",
     )
 
@@ -130,6 +131,7 @@ class Storage:
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
+        self.protected = False  # a last resort of eviction (Runtime.protect)
 
     @property
     def root(self) -> "Storage":

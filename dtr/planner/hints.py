@@ -16,7 +16,8 @@ from which the plan recomputes the next stage's tape. (Measured on the bench MLP
 the ``F_ck``/``F_none`` checkpoints let DTR evict ``F_all`` outputs, and the seeded step
 recomputed 1.13-1.22x the plan's compute at 0.7-0.5 of peak; pinning all kept outputs brought it
 to 1.00-1.01x at 0.9-0.6. Pinning whole ``F_all`` tapes as well made it worse, and some budgets
-infeasible: DTR needs room to move.)
+infeasible: DTR needs room to move. The seeding runtime *protects* them instead, a last resort
+of eviction rather than a lock, dtr/eager/seeding.py.)
 """
 
 from __future__ import annotations

@@ -176,7 +176,19 @@ class RecordingRuntime(Runtime):
     def protect_new(self, on: bool) -> None:
         if self._depth:
             return super().protect_new(on)
-        self._call({"e": "protect", "on": on}, super().protect_new, on)
+        self._call({"e": "protect_new", "on": on}, super().protect_new, on)
+
+    def protect(self, storages: Iterable[Storage]) -> None:
+        if self._depth:
+            return super().protect(storages)
+        storages = list(storages)
+        self._call({"e": "protect", "cells": [self._cid(s.root) for s in storages]}, super().protect, storages)
+
+    def unprotect(self, storages: Iterable[Storage]) -> None:
+        if self._depth:
+            return super().unprotect(storages)
+        storages = list(storages)
+        self._call({"e": "unprotect", "cells": [self._cid(s.root) for s in storages]}, super().unprotect, storages)
 
     def evict(self, storages: Iterable[Storage]) -> int:
         if self._depth:

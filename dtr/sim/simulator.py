@@ -244,8 +244,12 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.unpin([cell(c) for c in event["cells"]])
         elif kind == "evict":
             rt.evict([cell(c).storage for c in event["cells"]])
-        elif kind == "protect":
+        elif kind == "protect_new":
             rt.protect_new(event["on"])
+        elif kind == "protect":
+            rt.protect([cell(c).storage for c in event["cells"]])
+        elif kind == "unprotect":
+            rt.unprotect([cell(c).storage for c in event["cells"]])
         elif kind == "end":
             rt.close()
         elif kind not in ("begin", "budget"):

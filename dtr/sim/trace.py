@@ -36,8 +36,10 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: a plan's checkpoints held
   resident from here until their backward; ``{"e": "evict", "cells": [roots]}``: a plan drops
   these storages (those that can go) as soon as they are consumed.
-- ``{"e": "protect", "on": bool}``: storages made from here on are a last resort (a plan's
+- ``{"e": "protect_new", "on": bool}``: storages made from here on are a last resort (a plan's
   backward stage began), or no longer (``Runtime.protect_new``).
+- ``{"e": "protect", "cells": [roots]}`` / ``{"e": "unprotect", ...}``: these storages are a
+  last resort from here on (a tape the plan holds), or no longer (``Runtime.protect``).
 - ``{"e": "budget", "budget": b}``: the program changed the budget (simulations at another
   budget ignore it).
 
