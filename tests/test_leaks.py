@@ -4,6 +4,7 @@ nothing keeps old inputs alive."""
 import gc
 import weakref
 
+import pytest
 import torch
 
 import dtr
@@ -32,12 +33,14 @@ def _tracked(engine):
         return len(rt._all), len(rt._refs)
 
 
-def test_many_steps_in_one_block_stay_bounded():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_many_steps_in_one_block_stay_bounded(seeded):
+    """Also with a plan applied every step (pins, protections, tapes kept and released)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sizes = []
     budget = _budget(model)
-    with dtr.budget(budget) as engine:
+    with dtr.budget(budget, plan=[model.body] if seeded else None) as engine:
         running = torch.zeros(())
         for step in range(200):
             x = torch.randn(128, WIDTH)
@@ -50,6 +53,10 @@ def test_many_steps_in_one_block_stay_bounded():
                 sizes.append((_tracked(engine), engine.stats().resident_bytes))
         engine.check_invariants()
         assert engine.stats().evictions > 0
+        if seeded:
+            assert any(p is not None for plans in engine.plans() for p in plans.values())
+            held = engine._seeding
+            assert not (held._pinned or held._kept or held._open), "plan state left over"
     assert len({s for s in sizes}) == 1, sizes  # identical after every 40 steps
     (storages, wrappers), resident = sizes[-1]
     # What is left is what the program holds: running, loss (and what loss's graph keeps).
