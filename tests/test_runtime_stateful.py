@@ -81,7 +81,9 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @rule(target=handles, nbytes=st.integers(1, 64))
+    # Now and then a storage a hundred times larger, so that the others fall under the small
+    # threshold (1% of the mean resident size) and the small tier is exercised too.
+    @rule(target=handles, nbytes=st.one_of(st.integers(1, 64), st.integers(1, 64), st.just(6400)))
     def constant_op(self, nbytes):
         """An op with no managed inputs (a factory op, or an op on parameters)."""
         self.n += 1
@@ -179,7 +181,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         gc.collect()
         self.rt.drain()
 
-    @rule(budget=st.one_of(st.none(), st.integers(0, 400)))
+    @rule(budget=st.one_of(st.none(), st.integers(0, 400), st.integers(6400, 7000)))
     def set_budget(self, budget):
         try:
             self.rt.set_budget(budget)

@@ -164,9 +164,10 @@ class Driver:
         rebuilds their backward by replaying their view ops on the base as it is *now* for a
         tensor subclass (eager uses ``as_strided`` with each view's own strides): gradients
         come out wrong (``t()`` then ``transpose_``) or autograd raises. Scans the live
-        wrappers: this op is rare."""
+        wrappers, only when another one shares the storage (``matmul`` calls ``squeeze_`` on
+        fresh results)."""
         views = base._base is not None
-        if not views:
+        if not views and self.rt.resolve(base._dtr.cell).storage.refs > 1:  # another wrapper
             for ref in list(self.rt._refs.values()):
                 v = ref()
                 if v is not None and v is not base and v._base is base and v.requires_grad:

@@ -135,6 +135,7 @@ class _Pass:
         self.previous: List[Storage] = []  # output storages of the previous (planning) stage
         self.made: Dict[int, List[Storage]] = {}  # planning stage (last module) -> what its forward made
         self.kept: Dict[int, List[Storage]] = {}  # F_all stage -> its tape, protected until its backward ends
+        self.pins: List[list] = []  # cell lists this pass pinned
         self.in_backward: Optional[int] = None  # planning stage whose backward is running
         self.profile: Optional[_Profile] = None
 
@@ -146,6 +147,7 @@ class _Segment:
         self.profiles: Dict[tuple, Tuple[Chain, int, List[Tuple[int, int]]]] = {}
         self.plans: Dict[Tuple[tuple, Optional[int]], Optional[Plan]] = {}  # (signature, budget)
         self.active: Optional[_Pass] = None
+        self.pending: List[_Pass] = []  # applied passes whose backward has not begun
 
 
 class Seeding:
@@ -216,6 +218,7 @@ class Seeding:
                     return
                 if p.next != k:  # stages out of order: apply nothing more in this pass
                     seg.active = None
+                    self._release(p)
                     return
                 if p.mode == "profile" or k in p.starts:
                     p.start_sid = rt.next_sid
@@ -227,6 +230,12 @@ class Seeding:
         return pre
 
     def _begin(self, seg: _Segment, signature: tuple, args) -> None:
+        # Earlier passes whose backward never began (a forward without backward, a pass that
+        # stopped part-way, or a second forward before the backward): their pins and
+        # protections would otherwise outlive them.
+        for p in seg.pending + ([seg.active] if seg.active is not None else []):
+            self._release(p)
+        seg.pending = []
         seg.active = None
         if self.budget is None or signature is None:
             return
@@ -287,6 +296,7 @@ class Seeding:
                     if hint.pin_output and cells:
                         rt.pin(cells)
                         self._pinned.append(cells)
+                        p.pins.append(cells)
                         self._watch_gradient(output, lambda: self._unpin(cells))
                     if not hint.drop_tape:  # F_all: the plan holds the tape until the stage's backward
                         tape = p.kept[k] = [s for s in made if s.refs]
@@ -298,6 +308,7 @@ class Seeding:
                 p.next = k + 1
             if p.next == len(seg.modules) and p.mode == "apply":
                 seg.active = None
+                seg.pending.append(p)
 
         return post
 
@@ -342,6 +353,8 @@ class Seeding:
         with d.rt.lock:
             if self.driver is None:
                 return
+            if p in seg.pending:
+                seg.pending.remove(p)
             if not self._callback_queued:  # one per backward pass, whatever the segments
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
@@ -351,6 +364,18 @@ class Seeding:
                 self._open.append(p)
             self._protecting = p
             d.rt.protect_new(True)
+
+    def _release(self, p: _Pass) -> None:
+        """Drop what pass ``p`` holds for its plan (pins, protected tapes): the plan will not
+        be followed through (stages ran out of order, or no backward came)."""
+        for cells in p.pins:
+            self._unpin(cells)
+        p.pins = []
+        rt = self.driver.rt
+        for tape in p.kept.values():
+            rt.unprotect(tape)
+            self._kept = [t for t in self._kept if t is not tape]
+        p.kept = {}
 
     def _stage_done(self, p: _Pass) -> None:
         """The backward of the stage ``p.in_backward`` is over: what its forward made (or

@@ -49,12 +49,14 @@ active again once the window has moved past them and ``Runtime.unprotect`` named
 protected while active moves when examined, before it can be picked).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
-rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected.
+rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected,
+plus O(protected rows) per round to re-check them (the few a plan holds).
 """
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
+from itertools import chain
 from typing import Dict, Iterable, List, Optional
 
 import numpy as np
@@ -195,8 +197,11 @@ class CandidateIndex:
                     self._examine(slot)  # scored before this round's last eviction: re-score
                     continue
             elif lb == _INF:
-                s = self._best_of(self._protected)
-                return s if s is not None else self._best_of(self._stashed)
+                # A small storage stashed before it was protected stays in the stash: it
+                # counts as protected here.
+                flagged = [(slot, t) for slot, t in self._stashed.items() if t.protected]
+                s = self._best_of(chain(self._protected.items(), flagged))
+                return s if s is not None else self._best_of(self._stashed.items())
             buf[i] = _INF
             self._examine(i)
 
@@ -360,12 +365,12 @@ class CandidateIndex:
         else:
             self._activate(slot, s)  # locked: parked when examined
 
-    def _best_of(self, rows: Dict[int, Storage]) -> Optional[Storage]:
-        """A last resort: the best candidate among ``rows`` (protected or stashed), by a scan
-        (rare: nothing in an earlier tier can go)."""
+    def _best_of(self, rows: Iterable[tuple]) -> Optional[Storage]:
+        """A last resort: the best candidate among ``rows`` ((slot, storage) pairs of the
+        protected or the stashed tier), by a scan (rare: nothing in an earlier tier can go)."""
         best = None
         now = self._now
-        for slot, s in list(rows.items()):
+        for slot, s in list(rows):
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
             elif not s.locks and self._recomputable(s):

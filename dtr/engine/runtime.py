@@ -324,6 +324,7 @@ class Runtime:
             for s, value in mutated:
                 s2 = self._new_storage(s.nbytes, rec, len(outs), value, now)
                 s2.refs, s.refs = s.refs, 0
+                s2.protected = s.protected  # the same tensor for the program (and a plan)
                 s.forward = s2
                 if self._views_alias_data:
                     self._carry_views(s)
