@@ -179,22 +179,20 @@ class RecordingRuntime(Runtime):
         self._call({"e": "protect_new", "on": on}, super().protect_new, on)
 
     def protect(self, storages: Iterable[Storage]) -> None:
-        if self._depth:
-            return super().protect(storages)
-        storages = list(storages)
-        self._call({"e": "protect", "cells": [self._cid(s.root) for s in storages]}, super().protect, storages)
+        self._on_storages("protect", super().protect, storages)
 
     def unprotect(self, storages: Iterable[Storage]) -> None:
-        if self._depth:
-            return super().unprotect(storages)
-        storages = list(storages)
-        self._call({"e": "unprotect", "cells": [self._cid(s.root) for s in storages]}, super().unprotect, storages)
+        self._on_storages("unprotect", super().unprotect, storages)
 
     def evict(self, storages: Iterable[Storage]) -> int:
+        return self._on_storages("evict", super().evict, storages)
+
+    def _on_storages(self, kind: str, fn, storages: Iterable[Storage]):
+        """A plan's call on a list of storages, logged by their root cells."""
         if self._depth:
-            return super().evict(storages)
+            return fn(storages)
         storages = list(storages)
-        return self._call({"e": "evict", "cells": [self._cid(s.root) for s in storages]}, super().evict, storages)
+        return self._call({"e": kind, "cells": [self._cid(s.root) for s in storages]}, fn, storages)
 
     def close(self) -> None:
         self.drain()  # log the frees the program made, so that a replay's close sees the same refs
