@@ -16,12 +16,11 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    tensors evicted when they end, ``F_none`` stages also evict their input once read,
    checkpoints are pinned until their gradient has been computed, and the tapes of ``F_all``
    stages are protected (``Runtime.protect``: a last resort, not a pin) until their backward
-   ends. In the backward pass, what a
-   planning stage's backward makes (the gradient of its input above all, which the next
-   backward step reads) is protected (``Runtime.protect_new``: evicted only when no other
-   storage of ordinary size can go) until the next stage's backward begins, and then what the finished stage's forward
-   made or recomputed that the program no longer holds is evicted (its lineage stays), as the
-   plan's accounting assumed. Everything else, including every recomputation in the backward
+   ends. In the backward pass, what a planning stage's backward makes (the gradient of its
+   input above all, which the next backward step reads) is protected (``Runtime.protect_new``:
+   evicted only when no other storage of ordinary size can go) until the next stage's backward
+   begins, and then what the finished stage's forward made or recomputed that the program no
+   longer holds is evicted (its lineage stays), as the plan's accounting assumed. Everything else, including every recomputation in the backward
    pass, is ordinary DTR: the heuristic handles what the plan did not foresee.
 
 A pass that does not run the stages in order (control flow that skips one, a stage called
@@ -371,11 +370,13 @@ class Seeding:
         for cells in p.pins:
             self._unpin(cells)
         p.pins = []
-        rt = self.driver.rt
         for tape in p.kept.values():
-            rt.unprotect(tape)
-            self._kept = [t for t in self._kept if t is not tape]
+            self._unprotect_tape(tape)
         p.kept = {}
+
+    def _unprotect_tape(self, tape: List[Storage]) -> None:
+        self.driver.rt.unprotect(tape)
+        self._kept = [t for t in self._kept if t is not tape]
 
     def _stage_done(self, p: _Pass) -> None:
         """The backward of the stage ``p.in_backward`` is over: what its forward made (or
@@ -387,14 +388,12 @@ class Seeding:
         if k is None:
             return
         p.in_backward = None
-        rt = self.driver.rt
         tape = p.kept.pop(k, None)
         if tape is not None:
-            rt.unprotect(tape)
-            self._kept = [t for t in self._kept if t is not tape]
+            self._unprotect_tape(tape)
         done = p.made.pop(k, None)
         if done:
-            rt.evict([s for s in done if not s.refs])
+            self.driver.rt.evict([s for s in done if not s.refs])
 
     def _segment_backward_done(self, p: _Pass) -> None:
         """The gradient of the segment's input exists: the backward of pass ``p``'s first
