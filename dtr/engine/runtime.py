@@ -821,9 +821,10 @@ class Runtime:
 
     def protect_new(self, on: bool) -> None:
         """With ``on``, storages made from this call on are evicted (or swapped) only when no
-        other storage of ordinary size can go (before the small ones), until the next call: a plan's backward stage keeps what it makes
-        (its input's gradient above all) until the stage ends, as the plan's accounting
-        assumed. Each call with ``on`` starts a new protection; ``on=False`` ends it."""
+        other storage of ordinary size can go (before the small ones), until the next call: a
+        plan's backward stage keeps what it makes (its input's gradient above all) until the
+        stage ends, as the plan's accounting assumed. Each call with ``on`` starts a new
+        protection window; ``on=False`` ends it."""
         self._protected_from = self.next_sid if on else _NEVER
 
     def protect(self, storages: Iterable[Storage]) -> None:
