@@ -20,8 +20,9 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    input above all, which the next backward step reads) is protected (``Runtime.protect_new``:
    evicted only when no other storage of ordinary size can go) until the next stage's backward
    begins, and then what the finished stage's forward made or recomputed that the program no
-   longer holds is evicted (its lineage stays), as the plan's accounting assumed. Everything else, including every recomputation in the backward
-   pass, is ordinary DTR: the heuristic handles what the plan did not foresee.
+   longer holds is evicted (its lineage stays), as the plan's accounting assumed. Everything
+   else, including every recomputation in the backward pass, is ordinary DTR: the heuristic
+   handles what the plan did not foresee.
 
 A pass that does not run the stages in order (control flow that skips one, a stage called
 twice) applies nothing more from that point; a new signature is profiled, never given another
