@@ -298,8 +298,9 @@ class Seeding:
                         self._pinned.append(cells)
                         p.pins.append(cells)
                         self._watch_gradient(output, lambda: self._unpin(cells))
-                    if not hint.drop_tape:  # F_all: the plan holds the tape until the stage's backward
-                        tape = p.kept[k] = [s for s in made if s.refs]
+                    tape = [s for s in made if s.refs] if not hint.drop_tape else None
+                    if tape:  # F_all: the plan holds the tape until the stage's backward
+                        p.kept[k] = tape
                         rt.protect(tape)
                         self._kept.append(tape)
                     p.made[k] = made
@@ -365,6 +366,13 @@ class Seeding:
             self._protecting = p
             d.rt.protect_new(True)
 
+    def _finish(self, p: _Pass) -> None:
+        """Pass ``p``'s backward is over: its last stage is done, and what stages whose
+        gradient never came (an output that needs none) still hold is released."""
+        self._stage_done(p)
+        self._release(p)
+        p.made = {}
+
     def _release(self, p: _Pass) -> None:
         """Drop what pass ``p`` holds for its plan (pins, protected tapes): the plan will not
         be followed through (stages ran out of order, or no backward came)."""
@@ -405,7 +413,7 @@ class Seeding:
         with d.rt.lock:
             if self.driver is None or p not in self._open:
                 return
-            self._stage_done(p)
+            self._finish(p)
             self._open.remove(p)
             if self._protecting is p:
                 self._protecting = None
@@ -423,7 +431,7 @@ class Seeding:
 
     def _close_backward(self) -> None:
         for p in self._open:
-            self._stage_done(p)
+            self._finish(p)
         self._open = []
         if self._protecting is not None:
             self._protecting = None
