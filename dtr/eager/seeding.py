@@ -16,7 +16,7 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
    tensors evicted when they end, ``F_none`` stages also evict their input once read,
    checkpoints are pinned until their gradient has been computed, and the tapes of ``F_all``
    stages are protected (``Runtime.protect``: a last resort, not a pin) until their backward
-   ends. In the backward pass, what a planning stage's backward makes (the gradient of its
+   ends; so is every stage's tape during its own backward (recomputed as needed). In the backward pass, what a planning stage's backward makes (the gradient of its
    input above all, which the next backward step reads) is protected (``Runtime.protect_new``:
    evicted only when no other storage of ordinary size can go) until the next stage's backward
    begins, and then what the finished stage's forward made or recomputed that the program no
@@ -361,6 +361,12 @@ class Seeding:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
             self._stage_done(p)
             p.in_backward = k
+            if k not in p.kept:  # the tape this backward reads, recomputed as needed: held until it ends
+                tape = [s for s in p.made.get(k, ()) if s.refs]
+                if tape:
+                    p.kept[k] = tape
+                    d.rt.protect(tape)
+                    self._kept.append(tape)
             if p not in self._open:
                 self._open.append(p)
             self._protecting = p
