@@ -356,6 +356,26 @@ def test_protect_and_unprotect_named_storages(name):
     rt.check_invariants()
 
 
+def test_protections_nest_and_follow_versions():
+    """A checkpoint is often in a protected tape too: protections count. An in-place write
+    hands them to the new version, and unprotecting through the old one reaches it."""
+    rt = Runtime(None, make_heuristic("lru"), FakeExecutor())
+    h = Handle()
+    (c,) = rt.complete(OpRecord("op0", [], lambda vals: [0], cost=1.0), [], [(100, 0, None)])
+    rt.track(h, c)
+    s = c.storage
+    rt.protect([s])
+    rt.protect([s])
+    rt.unprotect([s])
+    assert s.protected == 1
+    rt.acquire([c])
+    rt.complete(OpRecord("write", [c], lambda vals: [1], cost=1.0), [(s, 1)], [])
+    assert s.forward is not None and s.forward.protected == 1 and s.protected == 0
+    rt.unprotect([s])
+    assert s.forward.protected == 0
+    rt.check_invariants()
+
+
 def test_random_is_reproducible():
     class Logged(Random):
         def __init__(self, seed):

@@ -35,7 +35,7 @@ def _tracked(engine):
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_many_steps_in_one_block_stay_bounded(seeded):
-    """Also with a plan applied every step (pins, protections, tapes kept and released)."""
+    """Also with a plan applied every step (checkpoints and tapes held and released)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sizes = []
@@ -56,7 +56,7 @@ def test_many_steps_in_one_block_stay_bounded(seeded):
         if seeded:
             assert any(p is not None for plans in engine.plans() for p in plans.values())
             held = engine._seeding
-            assert not (held._pinned or held._kept or held._open), "plan state left over"
+            assert not (held._held or held._open), "plan state left over"
     assert len({s for s in sizes}) == 1, sizes  # identical after every 40 steps
     (storages, wrappers), resident = sizes[-1]
     # What is left is what the program holds: running, loss (and what loss's graph keeps).

@@ -85,9 +85,9 @@ def test_a_seeded_mlp_follows_its_plan_and_matches_eager(fraction, tmp_path):
     plan, chain, before = _plan_and_chain(engine)
     assert plan is not None and any(kind != "F_all" for kind, _ in plan.ops)
 
-    # The plan was applied: checkpoints pinned, tapes dropped, all through the engine.
+    # The plan was applied: checkpoints held, tapes dropped, all through the engine.
     events = load(path).blocks[0]
-    assert any(e["e"] == "pin" for e in events) and any(e["e"] == "evict" for e in events)
+    assert any(e["e"] == "protect" for e in events) and any(e["e"] == "evict" for e in events)
 
     # Its compute is the plan's: the segment's recomputations cost what the DP predicted
     # (within 5%), measured by replaying the seeded step's trace in the simulator.
@@ -333,7 +333,7 @@ def test_random_chains_seeded_match_eager(kinds, width, batch, fraction, seed, o
                         assert torch.equal(loss, want_loss)
                         assert all(torch.equal(g, e) for g, e in zip(grads, want_grads))
                         held = engine._seeding
-                        assert not (held._pinned or held._kept or held._open)
+                        assert not (held._held or held._open)
                         assert not any(s.protected for s in engine._driver.rt.storages())
             else:
                 for _ in range(3):
@@ -371,8 +371,8 @@ def test_passes_without_backward_release_their_plan_state():
             else:
                 loss = w.loss_fn(model, w.batch)
                 loss.backward()
-            assert len(seeding._pinned) <= 8 and len(seeding._kept) <= 8, f"step {step}: piling up"
-        assert not seeding._pinned and not seeding._kept
+            assert len(seeding._held) <= 16, f"step {step}: piling up"
+        assert not seeding._held
         assert not any(s.protected for s in rt.storages())
         assert torch.equal(dtr.materialize(loss), eager.loss)
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), eager.grads))

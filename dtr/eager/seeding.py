@@ -14,8 +14,8 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
 3. From the next step with that signature on, the first forward sweep of the plan is applied
    as hints (``dtr.planner.hints``): stages the plan runs ``F_ck``/``F_none`` have their other
    tensors evicted when they end, ``F_none`` stages also evict their input once read,
-   checkpoints are pinned until their gradient has been computed, and the tapes of ``F_all``
-   stages are protected (``Runtime.protect``: a last resort, not a pin) until their backward
+   checkpoints are protected (``Runtime.protect``: a last resort of eviction, not a pin) until
+   their gradient has been computed, and the tapes of ``F_all`` stages until their backward
    ends; so is every stage's tape during its own backward (recomputed as needed). In the backward pass, what a planning stage's backward makes (the gradient of its
    input above all, which the next backward step reads) is protected (``Runtime.protect_new``:
    evicted only when no other storage of ordinary size can go) until the next stage's backward
@@ -135,7 +135,7 @@ class _Pass:
         self.previous: List[Storage] = []  # output storages of the previous (planning) stage
         self.made: Dict[int, List[Storage]] = {}  # planning stage (last module) -> what its forward made
         self.kept: Dict[int, List[Storage]] = {}  # F_all stage -> its tape, protected until its backward ends
-        self.pins: List[list] = []  # cell lists this pass pinned
+        self.outputs: List[List[Storage]] = []  # checkpoints held until their gradient exists
         self.in_backward: Optional[int] = None  # planning stage whose backward is running
         self.profile: Optional[_Profile] = None
 
@@ -158,8 +158,7 @@ class Seeding:
         self.driver = None
         self.budget: Optional[int] = None
         self._handles: list = []
-        self._pinned: List[list] = []  # cell lists pinned and not yet unpinned
-        self._kept: List[list] = []  # tapes protected and not yet unprotected
+        self._held: List[list] = []  # storage lists protected for a plan and not yet released
         # Applied passes whose backward has begun, the one whose stage protects what it makes,
         # and whether the end-of-backward callback is queued.
         self._open: List[_Pass] = []
@@ -179,20 +178,17 @@ class Seeding:
                 self._handles.append(m.register_forward_hook(self._post_hook(seg, k)))
 
     def detach(self) -> None:
-        """Remove the hooks and unpin what a backward pass did not get to (before the block's
+        """Remove the hooks and release what a backward pass did not get to (before the block's
         runtime closes)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         rt = self.driver.rt
         with rt.lock:
-            for cells in self._pinned:
-                rt.unpin(cells)
-            for tape in self._kept:
-                rt.unprotect(tape)
+            for held in self._held:
+                rt.unprotect(held)
             self._close_backward()
-        self._pinned = []
-        self._kept = []
+        self._held = []
         self._callback_queued = False
         for seg in self.segments:
             seg.active = None
@@ -231,8 +227,8 @@ class Seeding:
 
     def _begin(self, seg: _Segment, signature: tuple, args) -> None:
         # Earlier passes whose backward never began (a forward without backward, a pass that
-        # stopped part-way, or a second forward before the backward): their pins and
-        # protections would otherwise outlive them.
+        # stopped part-way, or a second forward before the backward): their protections
+        # would otherwise outlive them.
         for p in seg.pending + ([seg.active] if seg.active is not None else []):
             self._release(p)
         seg.pending = []
@@ -293,16 +289,15 @@ class Seeding:
                         rt.evict([s for s in made if s not in keep])
                     if hint.drop_input and k > 0:
                         rt.evict(p.previous)
-                    if hint.pin_output and cells:
-                        rt.pin(cells)
-                        self._pinned.append(cells)
-                        p.pins.append(cells)
-                        self._watch_gradient(output, lambda: self._unpin(cells))
+                    if hint.pin_output and outs:  # a checkpoint: held until its gradient exists
+                        held = list(outs)
+                        self._hold(held)
+                        p.outputs.append(held)
+                        self._watch_gradient(output, lambda: self._release_output(held))
                     tape = [s for s in made if s.refs] if not hint.drop_tape else None
                     if tape:  # F_all: the plan holds the tape until the stage's backward
                         p.kept[k] = tape
-                        rt.protect(tape)
-                        self._kept.append(tape)
+                        self._hold(tape)
                     p.made[k] = made
                     self._watch_gradient(output, lambda: self._stage_backward(seg, p, k))
                 p.previous = outs
@@ -332,16 +327,26 @@ class Seeding:
 
         t.register_hook(hook)
 
-    def _unpin(self, cells: list) -> None:
-        if self.driver is None:
+    def _hold(self, storages: List[Storage]) -> None:
+        self.driver.rt.protect(storages)
+        self._held.append(storages)
+
+    def _unhold(self, storages: List[Storage]) -> None:
+        """Undo ``_hold(storages)``, once (protections nest: a checkpoint is often in a tape)."""
+        for i, h in enumerate(self._held):
+            if h is storages:
+                del self._held[i]
+                self.driver.rt.unprotect(storages)
+                return
+
+    def _release_output(self, held: List[Storage]) -> None:
+        """A checkpoint's gradient exists: the plan no longer holds it."""
+        d = self.driver
+        if d is None:
             return
-        rt = self.driver.rt
-        with rt.lock:
-            for i, c in enumerate(self._pinned):
-                if c is cells:
-                    del self._pinned[i]
-                    rt.unpin(cells)
-                    return
+        with d.rt.lock:
+            if self.driver is not None:
+                self._unhold(held)
 
     def _stage_backward(self, seg: _Segment, p: _Pass, k: int) -> None:
         """A planned stage's backward begins (its output's gradient exists): the previous
@@ -365,8 +370,7 @@ class Seeding:
                 tape = [s for s in p.made.get(k, ()) if s.refs]
                 if tape:
                     p.kept[k] = tape
-                    d.rt.protect(tape)
-                    self._kept.append(tape)
+                    self._hold(tape)
             if p not in self._open:
                 self._open.append(p)
             self._protecting = p
@@ -380,18 +384,12 @@ class Seeding:
         p.made = {}
 
     def _release(self, p: _Pass) -> None:
-        """Drop what pass ``p`` holds for its plan (pins, protected tapes): the plan will not
-        be followed through (stages ran out of order, or no backward came)."""
-        for cells in p.pins:
-            self._unpin(cells)
-        p.pins = []
-        for tape in p.kept.values():
-            self._unprotect_tape(tape)
+        """Drop what pass ``p`` holds for its plan (checkpoints, tapes): the plan will not be
+        followed through (stages ran out of order, or no backward came)."""
+        for held in p.outputs + list(p.kept.values()):
+            self._unhold(held)
+        p.outputs = []
         p.kept = {}
-
-    def _unprotect_tape(self, tape: List[Storage]) -> None:
-        self.driver.rt.unprotect(tape)
-        self._kept = [t for t in self._kept if t is not tape]
 
     def _stage_done(self, p: _Pass) -> None:
         """The backward of the stage ``p.in_backward`` is over: what its forward made (or
@@ -405,7 +403,7 @@ class Seeding:
         p.in_backward = None
         tape = p.kept.pop(k, None)
         if tape is not None:
-            self._unprotect_tape(tape)
+            self._unhold(tape)
         done = p.made.pop(k, None)
         if done:
             self.driver.rt.evict([s for s in done if not s.refs])

@@ -324,7 +324,7 @@ class Runtime:
             for s, value in mutated:
                 s2 = self._new_storage(s.nbytes, rec, len(outs), value, now)
                 s2.refs, s.refs = s.refs, 0
-                s2.protected = s.protected  # the same tensor for the program (and a plan)
+                s2.protected, s.protected = s.protected, 0  # the same tensor for the program and a plan
                 s.forward = s2
                 if self._views_alias_data:
                     self._carry_views(s)
@@ -830,14 +830,20 @@ class Runtime:
     def protect(self, storages: Iterable[Storage]) -> None:
         """Make ``storages`` a last resort of eviction, as ``protect_new`` does for new ones,
         until ``unprotect``: what a plan holds that the heuristic should leave alone if it can
-        (a whole stage's tape: pinning it made budgets infeasible)."""
+        (checkpoints, a whole stage's tape: pinning them made budgets infeasible). Protections
+        nest, and follow a storage to its newest version (Note [Versions])."""
         for s in storages:
-            s.protected = True
+            while s.forward is not None:
+                s = s.forward
+            s.protected += 1
 
     def unprotect(self, storages: Iterable[Storage]) -> None:
-        """Undo ``protect``."""
+        """Undo one ``protect(storages)``."""
         for s in storages:
-            s.protected = False
+            while s.forward is not None:
+                s = s.forward
+            if s.protected:
+                s.protected -= 1
 
     def evict(self, storages: Iterable[Storage]) -> int:
         """Evict those of ``storages`` that can go now (resident, unlocked, recomputable): a

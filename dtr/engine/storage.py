@@ -131,7 +131,7 @@ class Storage:
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
-        self.protected = False  # a last resort of eviction (Runtime.protect)
+        self.protected = 0  # protections held (Runtime.protect): a last resort of eviction
 
     @property
     def root(self) -> "Storage":

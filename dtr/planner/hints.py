@@ -9,15 +9,15 @@ activations to hold and which to drop during that first forward sweep (the ops b
 * ``F_ck^k``: it keeps only its output ``a^k``: drop the stage's other tensors when it ends;
 * ``F_none^k``: as ``F_ck^k``, and it also drops its input ``a^(k-1)`` once it has been read.
 
-Every output the sweep keeps (the next stage is not ``F_none``) is pinned until the backward
+Every output the sweep keeps (the next stage is not ``F_none``) is held until the backward
 pass has used it, so that the heuristic does not evict what the plan's memory accounting assumed
 resident: the checkpoints of ``F_ck``/``F_none`` stages, and the outputs of ``F_all`` stages,
 from which the plan recomputes the next stage's tape. (Measured on the bench MLP: pinning only
 the ``F_ck``/``F_none`` checkpoints let DTR evict ``F_all`` outputs, and the seeded step
 recomputed 1.13-1.22x the plan's compute at 0.7-0.5 of peak; pinning all kept outputs brought it
 to 1.00-1.01x at 0.9-0.6. Pinning whole ``F_all`` tapes as well made it worse, and some budgets
-infeasible: DTR needs room to move. The seeding runtime *protects* them instead, a last resort
-of eviction rather than a lock, dtr/eager/seeding.py.)
+infeasible: DTR needs room to move. The seeding runtime now *protects* checkpoints and tapes
+instead, a last resort of eviction rather than a lock, dtr/eager/seeding.py.)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StageHint:
 
     drop_tape: bool  # drop the tensors the stage made, except its output
     drop_input: bool  # drop the stage's input a^(k-1) (the previous stage's output)
-    pin_output: bool  # hold a^k resident until its gradient has been computed
+    pin_output: bool  # hold a^k until its gradient has been computed (the runtime protects it)
 
 
 def forward_hints(ops: Sequence[Op], stages: int) -> List[StageHint]:
