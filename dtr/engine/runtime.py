@@ -801,8 +801,10 @@ class Runtime:
     # ------------------------------------------------------------------ plan hints
 
     def pin(self, cells: Sequence[Cell]) -> None:
-        """Make ``cells`` resident and keep their storages from eviction until ``unpin`` (a
-        plan's checkpoints). A pin is a lock that outlives the op; pins nest."""
+        """Make ``cells`` resident and keep their storages from eviction until ``unpin``. A pin
+        is a lock that outlives the op; pins nest. Seeded runs held their checkpoints so until
+        9db1eca (they use ``protect`` now, which cannot make a budget infeasible); the
+        simulator replays the pins of traces recorded before."""
         self.acquire(cells)
         pins = self._pins
         for c in cells:

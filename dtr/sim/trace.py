@@ -33,8 +33,8 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
 - ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
-- ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: a plan's checkpoints held
-  resident from here until their backward; ``{"e": "evict", "cells": [roots]}``: a plan drops
+- ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: these cells locked resident
+  until unpinned (seeded runs' checkpoints before 9db1eca; they are protected now); ``{"e": "evict", "cells": [roots]}``: a plan drops
   these storages (those that can go) as soon as they are consumed.
 - ``{"e": "protect_new", "on": bool}``: storages made from here on are a last resort (a plan's
   backward stage began), or no longer (``Runtime.protect_new``).
