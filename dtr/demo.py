@@ -14,6 +14,7 @@ import time
 import torch
 
 import dtr
+from dtr.testing.memory import profiled_peak
 from dtr.testing.zoo import build
 
 
@@ -26,18 +27,7 @@ def _peak_bytes(fn, device: str) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    total = peak = 0
-    for _, n in events:
-        total += n
-        peak = max(peak, total)
-    return peak
+    return profiled_peak(fn)
 
 
 def main(argv=None) -> None:

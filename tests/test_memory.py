@@ -61,7 +61,7 @@ def _largest_working_set(w, model):
     spans = {}
     for e in prof.profiler.kineto_results.events():
         if e.name().startswith("dtr-op-"):
-            spans[int(e.name()[7:])] = (e.start_ns(), e.end_ns())
+            spans[int(e.name()[7:])] = (e.start_ns(), e.start_ns() + e.duration_ns())  # end_ns(): torch>=2.5
     largest = 0
     for i, (start, end) in spans.items():
         level = peak = sum(n for t, n in mem if t < start)
