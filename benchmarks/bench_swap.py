@@ -11,11 +11,15 @@
    at host bandwidths of 12, 25 and 50 GB/s. Slowdown is the simulated compute plus the stall
    of synchronous swap-ins (transfer time; swap-outs and prefetches are assumed to overlap
    compute), over the recorded compute. Target: combined <= min(remat, swap) at every budget.
-2. ``--real``: real CPU steps of a few zoo models at their bench presets, remat vs combined at
-   the measured host-copy bandwidth: wall time over eager (median of ``--repeats``).
+2. ``--real``: real steps of a few zoo models at their bench presets on ``--device`` (CUDA when
+   available), remat-only vs combined at fractions of the unlimited step's peak and the
+   measured host-copy bandwidth: wall time over eager (median of ``--repeats`` after a warm-up
+   step), the peak measured without dtr (``torch.cuda.max_memory_allocated``, or torch.profiler
+   on CPU) and one step's swap / remat mix. On CPU the host tier is a second copy in RAM.
 
     python benchmarks/bench_swap.py                   # simulated, ~1 minute
-    python benchmarks/bench_swap.py --real            # adds real CPU steps, a few minutes
+    python benchmarks/bench_swap.py --real            # adds real steps, a few minutes
+    python benchmarks/bench_swap.py --real-only --device cuda   # the GPU rows only
 
 Rows go to ``benchmarks/results/swap.jsonl``; ``results/swap.png`` plots the simulated ones
 when matplotlib is installed.
@@ -29,9 +33,15 @@ import os
 import statistics
 from pathlib import Path
 
+import torch
+
 import dtr
+from dtr.eager.swap import measure_bandwidth
 from dtr.engine import Heuristic
 from dtr.sim import load
+from dtr.testing import zoo
+from dtr.testing.memory import measured_peak
+from dtr.testing.step import timed_step
 
 from bench_runtime import RunTimeout, time_limit
 from plotting import pyplot
@@ -111,38 +121,62 @@ def _verdict(met) -> str:
     return "-" if met is None else ("met" if met else "NOT met")
 
 
-def real(models, fractions, repeats, out, base):
-    from dtr.eager.swap import measure_bandwidth
-    from dtr.testing import zoo
-    from dtr.testing.step import fresh_model, timed_step
+MIX = ("evictions", "rematerializations", "swaps_out", "swap_bytes_out", "swaps_in", "prefetches",
+       "swap_stall_seconds")
 
-    bw = measure_bandwidth()
-    print(f"\n## real CPU steps, host-copy bandwidth measured: {bw / 1e9:.1f} GB/s")
-    print(f"{'model':<12} {'frac':>5} {'remat':>7} {'combined':>8} {'swaps':>6} {'prefetch':>8} {'stall ms':>8}")
+
+def _step(w, engine, device) -> float:
+    """Wall seconds of one training step of ``w`` (under ``engine`` when given), kernels
+    included: on CUDA the step is bracketed by synchronizations."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    seconds = timed_step(w, w.model, engine)
+    sync()
+    return seconds
+
+
+def real(models, fractions, repeats, device, out, base):
+    """Real steps on ``device`` at fractions of the unlimited step's tracked peak, remat-only
+    and combined: wall time over eager (median of ``repeats`` after a warm-up step, which also
+    records the access order prefetching follows), the measured peak of one more step, and
+    that step's swap / remat mix."""
+    bw = measure_bandwidth(device)
+    print(f"\n## real steps on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host'}), "
+          f"host-copy bandwidth measured: {bw / 1e9:.1f} GB/s")
+    print(f"{'model':<12} {'frac':>5} {'mode':<9} {'time':>6} {'peak MiB':>9} {'evict':>6} {'remat':>6} "
+          f"{'swaps':>6} {'swap MiB':>8} {'sync in':>7} {'prefetch':>8} {'stall ms':>8}")
     for name in models:
-        w = zoo.build(name, "bench")
-        model = fresh_model(w)
-        timed_step(w, model)  # warm-up
-        eager = statistics.median(timed_step(w, model) for _ in range(repeats))
+        w = zoo.on_device(zoo.build(name, "bench"), device)
+        _step(w, None, device)  # warm-up
+        eager = statistics.median(_step(w, None, device) for _ in range(repeats))
+        eager_peak = measured_peak(lambda: _step(w, None, device), device)
         probe = dtr.budget(None)
-        timed_step(w, model, probe)
+        _step(w, probe, device)
         peak = probe.stats().peak_resident_bytes
+        print(f"{name:<12} {'eager':>5} {'':<9} {eager * 1e3:>5.0f}ms {eager_peak / 2**20:>9.1f}")
         for f in fractions:
-            row = {**base, "section": "real", "model": name, "fraction": f, "bandwidth": bw, "eager_ms": eager * 1e3}
             for mode, opts in (("remat", {}), ("combined", {"swap": True})):
+                row = {**base, "section": "real", "device": str(device), "model": name, "fraction": f, "mode": mode,
+                       "bandwidth": bw, "eager_ms": eager * 1e3, "eager_peak_bytes": eager_peak,
+                       "budget_bytes": int(peak * f)}
                 engine = dtr.budget(int(peak * f), **opts)
                 try:
-                    row[mode] = statistics.median(timed_step(w, model, engine) for _ in range(repeats)) / eager
+                    _step(w, engine, device)
+                    row["slowdown"] = statistics.median(_step(w, engine, device) for _ in range(repeats)) / eager
+                    before = engine.stats()
+                    row["peak_bytes"] = measured_peak(lambda: _step(w, engine, device), device)
+                    after = engine.stats()
+                    row.update({k: getattr(after, k) - getattr(before, k) for k in MIX})
                 except dtr.OutOfBudgetError:
-                    row[mode] = None
-                st = engine.stats()
-                if mode == "combined":
-                    row.update(swaps_out=st.swaps_out, prefetches=st.prefetches, swaps_in=st.swaps_in,
-                               stall_ms=st.swap_stall_seconds * 1e3)
-            out.write(json.dumps(row) + "\n")
-            fmt = lambda v: f"{v:>7.3f}" if v is not None else f"{'OOB':>7}"
-            print(f"{name:<12} {f:>5.2f} {fmt(row['remat'])} {fmt(row['combined'])} {row['swaps_out']:>6} "
-                  f"{row['prefetches']:>8} {row['stall_ms']:>8.1f}", flush=True)
+                    row["slowdown"] = None
+                out.write(json.dumps(row) + "\n")
+                if row["slowdown"] is None:
+                    print(f"{name:<12} {f:>5.2f} {mode:<9} {'OOB':>6}")
+                    continue
+                print(f"{name:<12} {f:>5.2f} {mode:<9} {row['slowdown']:>5.2f}x {row['peak_bytes'] / 2**20:>9.1f} "
+                      f"{row['evictions']:>6} {row['rematerializations']:>6} {row['swaps_out']:>6} "
+                      f"{row['swap_bytes_out'] / 2**20:>8.1f} {row['swaps_in']:>7} {row['prefetches']:>8} "
+                      f"{row['swap_stall_seconds'] * 1e3:>8.1f}", flush=True)
 
 
 def plot(rows, path: Path) -> bool:
@@ -177,9 +211,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=None, help="default: every trace in --traces")
     ap.add_argument("--traces", default=str(TRACES), help="folder of <model>.jsonl.gz traces")
-    ap.add_argument("--real", action="store_true", help="also time real CPU steps")
+    ap.add_argument("--real", action="store_true", help="also time real steps on --device")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="for --real; default: cuda when available")
+    ap.add_argument("--real-only", action="store_true", help="skip the simulation (implies --real)")
     ap.add_argument("--real-models", nargs="+", default=["mlp", "transformer"])
-    ap.add_argument("--real-fractions", nargs="+", type=float, default=[0.5, 0.3])
+    ap.add_argument("--real-fractions", nargs="+", type=float, default=[0.8, 0.6, 0.5, 0.4, 0.3])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=60, help="seconds per simulation")
     ap.add_argument("--out", default=str(RESULTS / "swap.jsonl"))
@@ -188,10 +225,10 @@ def main() -> None:
     models = args.models or sorted(p.name.split(".")[0] for p in traces.glob("*.jsonl.gz"))
     base = {"commit": commit(), "machine": machine()}
     with open(args.out, "a") as out:
-        rows = simulated(traces, models, out, base, args.time_limit)
-        if args.real:
+        rows = [] if args.real_only else simulated(traces, models, out, base, args.time_limit)
+        if args.real or args.real_only:
             base["load"] = round(os.getloadavg()[0], 2)
-            real(args.real_models, args.real_fractions, args.repeats, out, base)
+            real(args.real_models, args.real_fractions, args.repeats, torch.device(args.device), out, base)
     if rows:
         met = [r for r in rows if r["target_met"] is not None]
         print(f"\ncombined <= min(remat, swap): {sum(r['target_met'] for r in met)} of {len(met)} (model, bandwidth, "

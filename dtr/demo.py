@@ -14,20 +14,8 @@ import time
 import torch
 
 import dtr
-from dtr.testing.memory import profiled_peak
+from dtr.testing.memory import measured_peak
 from dtr.testing.zoo import build
-
-
-def _peak_bytes(fn, device: str) -> int:
-    """Highest bytes allocated while ``fn`` runs, above what was allocated before."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    return profiled_peak(fn)
 
 
 def main(argv=None) -> None:
@@ -76,8 +64,8 @@ def main(argv=None) -> None:
         t2 = time.perf_counter()
         print(f"{i:>4} {le:>12.6f} {ld:>12.6f} {str(le == ld):>5} {(t1 - t0) * 1e3:>9.1f} {(t2 - t1) * 1e3:>9.1f}")
     step.count = args.steps
-    pe = _peak_bytes(lambda: step("eager"), args.device) / 2**20
-    pd = _peak_bytes(lambda: step("dtr", engine), args.device) / 2**20
+    pe = measured_peak(lambda: step("eager"), args.device) / 2**20
+    pd = measured_peak(lambda: step("dtr", engine), args.device) / 2**20
     how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler allocation events"
     print(f"\npeak memory of one more step ({how}): eager {pe:.2f} MiB, dtr {pd:.2f} MiB")
     print(engine.stats())

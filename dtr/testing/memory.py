@@ -1,4 +1,5 @@
-"""The true peak of some code, measured independently of dtr: torch.profiler's CPU allocation events.
+"""The true peak of some code, measured independently of dtr: torch.profiler's CPU allocation
+events, or the CUDA caching allocator's counters.
 
 dtr's own byte count (``Engine.stats().peak_resident_bytes``) cannot check itself, and misses
 what kernels allocate internally. The profiler sees every allocation and free of the
@@ -8,11 +9,12 @@ bytes allocated since profiling started (for tests, and for the benchmarks' meas
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Tuple
+from typing import Callable, Iterable, List, Tuple, Union
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["memory_events", "peak_bytes", "profiled_peak"]
+__all__ = ["memory_events", "peak_bytes", "profiled_peak", "measured_peak"]
 
 
 def memory_events(prof) -> List[Tuple[int, int]]:
@@ -37,3 +39,16 @@ def profiled_peak(fn: Callable[[], object]) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return peak_bytes(memory_events(prof))
+
+
+def measured_peak(fn: Callable[[], object], device: Union[str, torch.device] = "cpu") -> int:
+    """Run ``fn()``; the most bytes it had allocated at once on ``device``, above what was
+    allocated before: ``torch.cuda.max_memory_allocated`` on CUDA, ``profiled_peak`` elsewhere."""
+    if torch.device(device).type != "cuda":
+        return profiled_peak(fn)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base

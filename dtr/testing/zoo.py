@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Workload", "build", "MODELS"]
+__all__ = ["Workload", "build", "on_device", "MODELS"]
 
 
 @dataclass
@@ -201,7 +201,7 @@ class TreeLSTM(nn.Module):
 
     def node(self, tree):
         word, children = tree
-        x = self.emb(torch.tensor([word]))
+        x = self.emb(torch.tensor([word], device=self.emb.weight.device))
         if children:
             states = [self.node(c) for c in children]
             hs = torch.cat([h for h, _ in states])
@@ -306,3 +306,17 @@ def build(name: str, size: str = "tiny", seed: int = 0, **overrides) -> Workload
         y = torch.randn(cfg["trees"], 1)
         return Workload(name, model, (trees, y), lambda m, b: F.mse_loss(m(b[0]), b[1]))
     raise ValueError(f"unknown workload {name!r}; choose from {MODELS}")
+
+
+def on_device(w: Workload, device: Union[str, torch.device]) -> Workload:
+    """``w`` with its model moved to ``device`` (in place) and a copy of its batch there."""
+    w.model.to(device)
+
+    def move(b):
+        if isinstance(b, torch.Tensor):
+            return b.to(device)
+        if type(b) in (list, tuple):
+            return type(b)(move(x) for x in b)
+        return b  # a tree's token ids and structure
+
+    return Workload(w.name, w.model, move(w.batch), w.loss_fn)
