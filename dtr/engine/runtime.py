@@ -747,14 +747,21 @@ class Runtime:
 
     def _after_op(self, cost: float) -> None:
         """Log the op's cost for the next block's prefetch timing; prefetch what the previous
-        block needed next, if it fits without evicting anything."""
+        block needed next, as soon as it fits without evicting anything."""
         host = self.host
         host.log.costs.append(cost)
         if self._outgoing:
             self._poll_outgoing()
-        for s in host.due(self.clock):
-            if s.state is SWAPPED and (self.budget is None or self.memory + s.nbytes <= self.budget):
+        waiting = host.waiting
+        waiting.extend(host.due(self.clock))
+        while waiting:
+            s, need = waiting[0]
+            if s.state is SWAPPED:
+                if self.budget is not None and self.memory + s.nbytes > self.budget:
+                    break  # first come, first served: a later one must not take its room
                 self._swap_in(s, prefetch=True)
+                host.log.prefetched.append(need)
+            waiting.popleft()
 
     # ------------------------------------------------------------------ release
 

@@ -19,37 +19,49 @@ A swapped storage comes back on access (a synchronous swap-in, counted as a stal
 each block logs when it had to swap in which storage (by storage id, which the same program
 assigns alike every step), and the next block prefetches those storages ahead of that point,
 early enough to cover the transfer by the recorded cost of the ops in between, and only if
-they fit in the budget without evicting anything.
+they fit in the budget without evicting anything. One that does not fit when it falls due
+waits, in order, for the room that ops free (a backward pass frees activations as it goes):
+prefetching only at the due clock, the bench transformer at half its peak prefetched nothing
+in a whole step and swapped 32 tensors in synchronously.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 __all__ = ["HostTier", "SwapLog"]
 
+Need = Tuple[int, int, int]  # (clock at which it was needed, storage id, bytes)
+
 
 class SwapLog:
-    """What one block did that the next one can learn from: its synchronous swap-ins, as
-    ``(clock, storage id, bytes)``, and the cost of each op by clock."""
+    """What one block did that the next one can learn from: its synchronous swap-ins and its
+    prefetches, each as ``(clock, storage id, bytes)`` with the clock at which the storage was
+    needed, and the cost of each op by clock."""
 
     def __init__(self) -> None:
-        self.swap_ins: List[Tuple[int, int, int]] = []
+        self.swap_ins: List[Need] = []
+        # Prefetched storages, with the clock their schedule entry said they are needed at: a
+        # block whose prefetches all arrived in time swaps nothing in synchronously, and the
+        # block after it must still know what to prefetch.
+        self.prefetched: List[Need] = []
         self.costs: List[float] = []  # costs[t - 1]: cost of the op that advanced the clock to t
 
-    def prefetch_schedule(self, bandwidth: float) -> Dict[int, List[int]]:
-        """clock -> storage ids to prefetch once the op that advanced the clock to it has
-        completed. A swap-in logged at clock ``t`` happened before op ``t + 1`` ran; its
-        prefetch goes at the latest clock ``c`` such that ops ``c + 1 .. t`` cost at least the
-        transfer time (``c = t`` if the transfer costs nothing)."""
-        schedule: Dict[int, List[int]] = {}
-        for t, sid, nbytes in self.swap_ins:
-            need = nbytes / bandwidth
+    def prefetch_schedule(self, bandwidth: float) -> Dict[int, List[Need]]:
+        """clock -> the needs to prefetch once the op that advanced the clock to it has
+        completed, in the order they are needed. A storage needed at clock ``t`` (swapped in
+        before op ``t + 1`` ran) is prefetched at the latest clock ``c`` such that ops
+        ``c + 1 .. t`` cost at least the transfer time (``c = t`` if the transfer costs nothing)."""
+        schedule: Dict[int, List[Need]] = {}
+        for need in sorted(self.swap_ins + self.prefetched):
+            t, _, nbytes = need
+            cost = nbytes / bandwidth
             start, covered = t, 0.0
-            while start > 0 and covered < need:
+            while start > 0 and covered < cost:
                 covered += self.costs[start - 1] if start <= len(self.costs) else 0.0
                 start -= 1
-            schedule.setdefault(start, []).append(sid)
+            schedule.setdefault(start, []).append(need)
         return schedule
 
 
@@ -74,6 +86,8 @@ class HostTier:
         self.by_sid: Dict[int, Any] = {}  # sid -> swapped Storage
         self.log = SwapLog()
         self._schedule = previous.prefetch_schedule(self.bandwidth) if previous is not None else {}
+        # (storage, need) due for prefetching that did not fit yet, in the order they fell due.
+        self.waiting: Deque[Tuple[Any, Need]] = deque()
 
     def swap_cost(self, nbytes: int) -> float:
         """Seconds the program may wait to get ``nbytes`` back (Note [Swap or evict])."""
@@ -95,9 +109,11 @@ class HostTier:
         self.bytes -= storage.nbytes
         return handle
 
-    def due(self, clock: int) -> List[Any]:
-        """Swapped storages the previous block's log says to prefetch at ``clock``."""
-        sids = self._schedule.get(clock)
-        if not sids:
+    def due(self, clock: int) -> List[Tuple[Any, Need]]:
+        """Swapped storages the previous block's log says to prefetch at ``clock``, each with
+        its need."""
+        needs = self._schedule.get(clock)
+        if not needs:
             return []
-        return [self.by_sid[sid] for sid in sids if sid in self.by_sid]
+        by_sid = self.by_sid
+        return [(by_sid[n[1]], n) for n in needs if n[1] in by_sid]
