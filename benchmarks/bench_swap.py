@@ -11,11 +11,15 @@
    at host bandwidths of 12, 25 and 50 GB/s. Slowdown is the simulated compute plus the stall
    of synchronous swap-ins (transfer time; swap-outs and prefetches are assumed to overlap
    compute), over the recorded compute. Target: combined <= min(remat, swap) at every budget.
+   "next": the combined policy's slowdown in one more run of the same step (a training
+   loop's later steps), which prefetches what the first run swapped in synchronously, with
+   that run's synchronous swap-ins and prefetches.
 2. ``--real``: real steps of a few zoo models at their bench presets on ``--device`` (CUDA when
    available), remat-only vs combined at fractions of the unlimited step's peak and the
    measured host-copy bandwidth: wall time over eager (median of ``--repeats`` after a warm-up
    step), the peak measured without dtr (``torch.cuda.max_memory_allocated``, or torch.profiler
-   on CPU) and one step's swap / remat mix. On CPU the host tier is a second copy in RAM.
+   on CPU) and one step's swap / remat mix. On CPU the host tier is a second copy in RAM,
+   which the measured peak includes.
 
     python benchmarks/bench_swap.py                   # simulated, ~1 minute
     python benchmarks/bench_swap.py --real            # adds real steps, a few minutes
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -39,9 +44,9 @@ import dtr
 from dtr.eager.swap import measure_bandwidth
 from dtr.engine import Heuristic
 from dtr.sim import load
+from dtr.sim.trace import Trace
 from dtr.testing import zoo
 from dtr.testing.memory import measured_peak
-from dtr.testing.step import timed_step
 
 from bench_runtime import RunTimeout, time_limit
 from plotting import pyplot
@@ -74,13 +79,15 @@ def _simulate(limit: float, *args, **kwargs):
 
 def simulated(traces: Path, models, out, base, limit: float):
     rows = []
-    print(f"{'model':<12} {'GB/s':>5} {'frac':>5} {'remat':>8} {'swap':>8} {'combined':>8} {'swaps':>6} {'evict':>6}  target")
+    print(f"{'model':<12} {'GB/s':>5} {'frac':>5} {'remat':>8} {'swap':>8} {'combined':>8} {'swaps':>6} {'evict':>6}  "
+          f"target  {'next':>6} {'sync':>5} {'pref':>5}")
     for name in models:
         path = traces / f"{name}.jsonl.gz"
         if not path.exists():
             print(f"{name}: no trace at {path}; record it with: python benchmarks/bench_sweep.py --record")
             continue
         trace = load(path)
+        again = Trace(trace.header, trace.blocks + trace.blocks[-1:])
         peak = dtr.simulate(trace, None).peak_bytes
         remat = {}  # fraction -> the remat-only result (it does not depend on the bandwidth)
         for bw in BANDWIDTHS:
@@ -93,6 +100,9 @@ def simulated(traces: Path, models, out, base, limit: float):
                 r = remat[f]
                 s = _simulate(limit, trace, budget, heuristic=NeverEvict(), swap=True, bandwidth=bw)
                 c = _simulate(limit, trace, budget, swap=True, bandwidth=bw)
+                # The same program once more: what a training loop's later steps cost, with the
+                # prefetches the previous step's log schedules.
+                c2 = _simulate(limit, again, budget, swap=True, bandwidth=bw) if c is not None and c.feasible else None
                 ok = lambda x: x is not None and x.feasible
                 alone = [x.slowdown for x in (r, s) if ok(x)]
                 # Met: combined runs wherever either alone does, and is no slower than the best.
@@ -102,12 +112,18 @@ def simulated(traces: Path, models, out, base, limit: float):
                 if c is not None:
                     row.update(combined_swaps_out=c.swaps_out, combined_evictions=c.evictions,
                                combined_prefetches=c.prefetches, combined_stall=c.swap_stall)
+                if c2 is not None and c2.feasible:
+                    row.update(combined_next=(c2.total_cost - c.total_cost) / (c2.base_cost - c.base_cost),
+                               combined_next_swaps_in=c2.swaps_in - c.swaps_in,
+                               combined_next_prefetches=c2.prefetches - c.prefetches)
                 out.write(json.dumps(row) + "\n")
                 rows.append(row)
                 fmt = lambda v: f"{v:>8.3f}" if isinstance(v, float) else f"{v:>8}"
+                fmt6 = lambda v: f"{v:>6.3f}" if isinstance(v, float) else f"{'-':>6}"
                 print(f"{name:<12} {bw / 1e9:>5.0f} {f:>5.2f} {fmt(row['remat'])} {fmt(row['swap'])} "
                       f"{fmt(row['combined'])} {row.get('combined_swaps_out', '-'):>6} "
-                      f"{row.get('combined_evictions', '-'):>6}  {_verdict(met)}", flush=True)
+                      f"{row.get('combined_evictions', '-'):>6}  {_verdict(met):<7} {fmt6(row.get('combined_next'))} "
+                      f"{row.get('combined_next_swaps_in', '-'):>5} {row.get('combined_next_prefetches', '-'):>5}", flush=True)
     return rows
 
 
@@ -127,12 +143,21 @@ MIX = ("evictions", "rematerializations", "swaps_out", "swap_bytes_out", "swaps_
 
 def _step(w, engine, device) -> float:
     """Wall seconds of one training step of ``w`` (under ``engine`` when given), kernels
-    included: on CUDA the step is bracketed by synchronizations."""
+    included: on CUDA the step is bracketed by synchronizations. Gradients are zeroed in place
+    (``set_to_none=False``, as the README advises): new ``.grad`` tensors made in a block are
+    not charged, and the measured peak would count them on top of the budget."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    w.model.zero_grad(set_to_none=False)
+    torch.manual_seed(1)
     sync()
-    seconds = timed_step(w, w.model, engine)
+    t0 = time.perf_counter()
+    if engine is None:
+        w.loss_fn(w.model, w.batch).backward()
+    else:
+        with engine:
+            w.loss_fn(w.model, w.batch).backward()
     sync()
-    return seconds
+    return time.perf_counter() - t0
 
 
 def real(models, fractions, repeats, device, out, base):
@@ -147,7 +172,7 @@ def real(models, fractions, repeats, device, out, base):
           f"{'swaps':>6} {'swap MiB':>8} {'sync in':>7} {'prefetch':>8} {'stall ms':>8}")
     for name in models:
         w = zoo.on_device(zoo.build(name, "bench"), device)
-        _step(w, None, device)  # warm-up
+        _step(w, None, device)  # warm-up; allocates the gradients
         eager = statistics.median(_step(w, None, device) for _ in range(repeats))
         eager_peak = measured_peak(lambda: _step(w, None, device), device)
         probe = dtr.budget(None)
