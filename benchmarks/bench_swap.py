@@ -146,7 +146,7 @@ def _step(w, engine, device) -> float:
     included: on CUDA the step is bracketed by synchronizations. Gradients are zeroed in place
     (``set_to_none=False``, as the README advises): new ``.grad`` tensors made in a block are
     not charged, and the measured peak would count them on top of the budget."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     w.model.zero_grad(set_to_none=False)
     torch.manual_seed(1)
     sync()
@@ -180,7 +180,7 @@ def real(models, fractions, repeats, device, out, base):
         peak = probe.stats().peak_resident_bytes
         print(f"{name:<12} {'eager':>5} {'':<9} {eager * 1e3:>5.0f}ms {eager_peak / 2**20:>9.1f}")
         for f in fractions:
-            for mode, opts in (("remat", {}), ("combined", {"swap": True})):
+            for mode, opts in (("remat", {}), ("combined", {"swap": True, "bandwidth": bw})):
                 row = {**base, "section": "real", "device": str(device), "model": name, "fraction": f, "mode": mode,
                        "bandwidth": bw, "eager_ms": eager * 1e3, "eager_peak_bytes": eager_peak,
                        "budget_bytes": int(peak * f)}

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     step.count = args.steps
     pe = measured_peak(lambda: step("eager"), args.device) / 2**20
     pd = measured_peak(lambda: step("dtr", engine), args.device) / 2**20
-    how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler allocation events"
+    how = "torch.cuda.max_memory_allocated" if torch.device(args.device).type == "cuda" else "torch.profiler allocation events"
     print(f"\npeak memory of one more step ({how}): eager {pe:.2f} MiB, dtr {pd:.2f} MiB")
     print(engine.stats())
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import dtr
+from dtr.engine import OpRecord, Runtime, make_heuristic
+from dtr.engine.swap import HostTier
 from dtr.sim import load
+from dtr.sim.simulator import _DATA, _Executor, _Wrapper
 from dtr.sim.trace import Trace
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, fresh_model, run_step
@@ -117,18 +120,71 @@ def test_prefetch_reduces_synchronous_swap_ins_on_the_next_step():
         assert pre > 0 and sync < sync1, per_step
 
 
-def test_a_prefetch_with_no_room_when_due_waits_for_room():
-    # The bench LSTM's trace, two identical steps at 0.3 of peak: when a prefetch falls due the
-    # budget is full, and the room comes a few ops later. Prefetching only at the due clock
-    # left 8 of its 11 swap-ins synchronous in the second step.
+def test_a_prefetch_with_no_room_when_due_waits_for_room_and_pays_for_being_late():
+    # The bench LSTM's trace, two identical steps at 0.4 of peak and 50 GB/s: when some
+    # prefetches fall due the budget is full. They wait for the room later ops free
+    # (prefetching only at the due clock left 5 of the 10 swap-ins synchronous in the second
+    # step), and the part of a transfer that the ops left before its need no longer cover
+    # counts as a stall: here most of it.
     trace = load(Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "lstm.jsonl.gz")
     one, two = Trace(trace.header, trace.blocks[:1]), Trace(trace.header, trace.blocks[:1] * 2)
-    budget = int(dtr.simulate(one, None).peak_bytes * 0.3)
-    first = dtr.simulate(one, budget, swap=True, bandwidth=12e9)
-    both = dtr.simulate(two, budget, swap=True, bandwidth=12e9)
+    budget = int(dtr.simulate(one, None).peak_bytes * 0.4)
+    first = dtr.simulate(one, budget, swap=True, bandwidth=50e9)
+    both = dtr.simulate(two, budget, swap=True, bandwidth=50e9)
     assert first.swaps_in > 0 and first.prefetches == 0
     assert both.swaps_in - first.swaps_in == 0
     assert both.prefetches - first.prefetches == first.swaps_in
+    assert 0 < both.swap_stall - first.swap_stall < first.swap_stall
+
+
+def _block(previous, reads_x: bool):
+    """One block on the torch-free engine: X is made, swapped out by P and Q, then read at
+    clock 9 (``reads_x``) or not (another op makes R instead); returns its log and counts."""
+    rt = Runtime(100, make_heuristic("dtr_eq"), _Executor())
+    rt.host = HostTier(1e3, None, previous)
+    held, cells = {}, {}
+
+    def op(name, nbytes, inputs=(), keep=True):
+        ins = [cells[i] for i in inputs]
+        rt.acquire(ins)
+        (cells[name],) = rt.complete(OpRecord(name, ins, None, 1.0, False), [], [(nbytes, _DATA, None)])
+        if keep:
+            held[name] = _Wrapper()
+            rt.track(held[name], cells[name])
+
+    op("X", 50)
+    op("P", 30)
+    op("Q", 30)  # over the budget: X, the stalest, is swapped out
+    del held["Q"]
+    rt.drain()
+    for i in range(6):
+        op(f"f{i}", 0, keep=False)
+    op("use", 0, ["X"], keep=False) if reads_x else op("R", 40)
+    del held["X"]  # dropped before the block ends (which would bring it back)
+    rt.drain()
+    rt.close()
+    c = rt.counters
+    return rt.host.log, (c.swaps_in, c.prefetches)
+
+
+def test_a_prefetch_the_program_stopped_needing_is_not_repeated():
+    # Block A reads the swapped X; blocks B (an evaluation, say) never do. The first B
+    # prefetches X, as A's log says; the next ones must not (a prefetch used to log itself as
+    # a need, so a useless one repeated in every later block).
+    log, (sync, pre) = _block(None, reads_x=True)
+    assert (sync, pre) == (1, 0)
+    counts = []
+    for _ in range(3):
+        log, got = _block(log, reads_x=False)
+        counts.append(got)
+    assert counts[0][1] == 1 and counts[1:] == [(0, 0), (0, 0)], counts
+    # A prefetch the block reads is remembered: blocks A prefetch X every time after the first.
+    log, _ = _block(None, reads_x=True)
+    counts = []
+    for _ in range(3):
+        log, got = _block(log, reads_x=True)
+        counts.append(got)
+    assert counts == [(0, 1)] * 3
 
 
 def test_simulated_swapping_repeats_the_real_run(tmp_path):

@@ -108,6 +108,10 @@ def _add_view(s: Storage, c: Cell) -> None:
         views[:] = [w for w in views if w() is not None]
 
 
+def _by_need(entry: Tuple[Storage, Tuple[int, int, int]]) -> Tuple[int, int, int]:
+    return entry[1]
+
+
 def _keyed(heuristic: Any) -> bool:
     """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
     its score from it (heuristics.py, Note [Keys])."""
@@ -752,16 +756,21 @@ class Runtime:
         host.log.costs.append(cost)
         if self._outgoing:
             self._poll_outgoing()
-        waiting = host.waiting
-        waiting.extend(host.due(self.clock))
-        while waiting:
-            s, need = waiting[0]
-            if s.state is SWAPPED:
+        due = host.due(self.clock)
+        if due:
+            host.waiting += due
+            host.waiting.sort(key=_by_need)
+        if host.waiting:
+            keep = []
+            for s, need in host.waiting:
+                if s.state is not SWAPPED:  # back already, or gone
+                    continue
                 if self.budget is not None and self.memory + s.nbytes > self.budget:
-                    break  # first come, first served: a later one must not take its room
+                    keep.append((s, need))
+                    continue
                 self._swap_in(s, prefetch=True)
-                host.log.prefetched.append(need)
-            waiting.popleft()
+                host.prefetched(s, need, self.clock)
+            host.waiting = keep
 
     # ------------------------------------------------------------------ release
 

@@ -20,15 +20,20 @@ each block logs when it had to swap in which storage (by storage id, which the s
 assigns alike every step), and the next block prefetches those storages ahead of that point,
 early enough to cover the transfer by the recorded cost of the ops in between, and only if
 they fit in the budget without evicting anything. One that does not fit when it falls due
-waits, in order, for the room that ops free (a backward pass frees activations as it goes):
-prefetching only at the due clock, the bench transformer at half its peak prefetched nothing
-in a whole step and swapped 32 tensors in synchronously.
+waits for the room that later ops free (a backward pass frees activations as it goes); each op,
+every waiting storage that fits is brought back, in the order they are needed. A prefetch
+that comes too late to be covered by the ops left before its need costs the uncovered part of
+the transfer (``late_seconds``, an estimate from the previous block's op costs, which the
+simulator counts as a stall). A prefetched storage that the block then reads is logged too, at
+the clock it was needed: a block whose prefetches all arrived in time swaps nothing in
+synchronously, and the one after it must still know what to prefetch (without this, steps
+alternated between all synchronous and all prefetched). One it never reads is not logged, so a
+prefetch the program stopped needing is not repeated.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["HostTier", "SwapLog"]
 
@@ -36,23 +41,34 @@ Need = Tuple[int, int, int]  # (clock at which it was needed, storage id, bytes)
 
 
 class SwapLog:
-    """What one block did that the next one can learn from: its synchronous swap-ins and its
-    prefetches, each as ``(clock, storage id, bytes)`` with the clock at which the storage was
-    needed, and the cost of each op by clock."""
+    """What one block did that the next one can learn from: its synchronous swap-ins, and the
+    prefetches it then read, each as ``(clock, storage id, bytes)`` with the clock at which
+    the storage was needed; and the cost of each op by clock."""
 
     def __init__(self) -> None:
         self.swap_ins: List[Need] = []
-        # Prefetched storages, with the clock their schedule entry said they are needed at: a
-        # block whose prefetches all arrived in time swaps nothing in synchronously, and the
-        # block after it must still know what to prefetch.
-        self.prefetched: List[Need] = []
         self.costs: List[float] = []  # costs[t - 1]: cost of the op that advanced the clock to t
+        # (need, storage, clock of the prefetch) until the block is over: whether the storage
+        # was read after its prefetch is known only then (``seal``).
+        self._prefetched: List[Tuple[Need, Any, int]] = []
+        self.prefetched: List[Need] = []
+        self._prefix: Optional[List[float]] = None  # cumulative costs, for cost_between
+
+    def prefetch(self, need: Need, storage: Any, clock: int) -> None:
+        """``storage`` was prefetched at ``clock`` for ``need`` (from the previous block)."""
+        self._prefetched.append((need, storage, clock))
+
+    def seal(self) -> None:
+        """At the end of the block: keep the prefetches that were read afterwards."""
+        self.prefetched += [need for need, s, at in self._prefetched if s.last_access > at]
+        self._prefetched = []
 
     def prefetch_schedule(self, bandwidth: float) -> Dict[int, List[Need]]:
         """clock -> the needs to prefetch once the op that advanced the clock to it has
         completed, in the order they are needed. A storage needed at clock ``t`` (swapped in
         before op ``t + 1`` ran) is prefetched at the latest clock ``c`` such that ops
         ``c + 1 .. t`` cost at least the transfer time (``c = t`` if the transfer costs nothing)."""
+        self.seal()
         schedule: Dict[int, List[Need]] = {}
         for need in sorted(self.swap_ins + self.prefetched):
             t, _, nbytes = need
@@ -63,6 +79,16 @@ class SwapLog:
                 start -= 1
             schedule.setdefault(start, []).append(need)
         return schedule
+
+    def cost_between(self, start: int, end: int) -> float:
+        """Recorded cost of ops ``start + 1 .. end`` (of a finished block)."""
+        prefix = self._prefix
+        if prefix is None:
+            prefix = self._prefix = [0.0]
+            for c in self.costs:
+                prefix.append(prefix[-1] + c)
+        last = len(prefix) - 1
+        return prefix[max(0, min(end, last))] - prefix[max(0, min(start, last))]
 
 
 class HostTier:
@@ -85,9 +111,11 @@ class HostTier:
         self.handles: Dict[Any, Any] = {}  # swapped Storage -> the executor's host handle
         self.by_sid: Dict[int, Any] = {}  # sid -> swapped Storage
         self.log = SwapLog()
+        self._previous = previous
         self._schedule = previous.prefetch_schedule(self.bandwidth) if previous is not None else {}
-        # (storage, need) due for prefetching that did not fit yet, in the order they fell due.
-        self.waiting: Deque[Tuple[Any, Need]] = deque()
+        # (storage, need) due for prefetching that did not fit yet, in the order they are needed.
+        self.waiting: List[Tuple[Any, Need]] = []
+        self.late_seconds = 0.0  # estimated transfer time prefetches left uncovered
 
     def swap_cost(self, nbytes: int) -> float:
         """Seconds the program may wait to get ``nbytes`` back (Note [Swap or evict])."""
@@ -117,3 +145,11 @@ class HostTier:
             return []
         by_sid = self.by_sid
         return [(by_sid[n[1]], n) for n in needs if n[1] in by_sid]
+
+    def prefetched(self, storage: Any, need: Need, clock: int) -> None:
+        """``storage`` was brought back at ``clock`` for ``need``: log it, and charge what the
+        ops left before the need (by the previous block's costs) cannot cover."""
+        self.log.prefetch(need, storage, clock)
+        uncovered = storage.nbytes / self.bandwidth - self._previous.cost_between(clock, need[0])
+        if uncovered > 0:
+            self.late_seconds += uncovered

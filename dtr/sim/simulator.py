@@ -42,8 +42,9 @@ class SimResult:
         error: why the simulation stopped, when it is not feasible.
         swaps_out, swaps_in, prefetches: host-tier traffic (``swap=True``): copies out,
             copies back that the program waited for, copies back ahead of need.
-        swap_stall: seconds waited for copies back, at the given bandwidth (copies out and
-            prefetches are assumed to overlap compute); included in ``total_cost``.
+        swap_stall: seconds waited for copies back, at the given bandwidth: synchronous
+            swap-ins, and the part of a prefetch's transfer that the ops left before its need
+            cannot cover (copies out are assumed to overlap compute); included in ``total_cost``.
     """
 
     feasible: bool
@@ -167,7 +168,7 @@ def simulate(
             swapped[2] += c.prefetches
             if rt.host is not None:
                 log = rt.host.log
-                stall += sum(n for _, _, n in log.swap_ins) / bandwidth
+                stall += sum(n for _, _, n in log.swap_ins) / bandwidth + rt.host.late_seconds
         if error is not None:
             break
     return SimResult(

@@ -44,11 +44,12 @@ def profiled_peak(fn: Callable[[], object]) -> int:
 def measured_peak(fn: Callable[[], object], device: Union[str, torch.device] = "cpu") -> int:
     """Run ``fn()``; the most bytes it had allocated at once on ``device``, above what was
     allocated before: ``torch.cuda.max_memory_allocated`` on CUDA, ``profiled_peak`` elsewhere."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return profiled_peak(fn)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
