@@ -964,6 +964,8 @@ class Runtime:
         finally:
             self.budget = saved
             self.closed = True
+        if self.host is not None:
+            self.host.log.seal()  # drops its storages: the log outlives the block
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
