@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dtr
+from dtr.eager import swap as eager_swap
 from dtr.engine import OpRecord, Runtime, make_heuristic
 from dtr.engine.swap import HostTier
 from dtr.sim import load
@@ -135,6 +136,30 @@ def test_a_prefetch_with_no_room_when_due_waits_for_room_and_pays_for_being_late
     assert both.swaps_in - first.swaps_in == 0
     assert both.prefetches - first.prefetches == first.swaps_in
     assert 0 < both.swap_stall - first.swap_stall < first.swap_stall
+
+
+@pytest.mark.parametrize("bandwidth", [FAST, 1e9, 1e8])
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_a_prefetched_value_is_read_only_after_it_arrives(name, bandwidth, monkeypatch):
+    # On a GPU a prefetch's copy lands while later ops run, and reading its buffer before the
+    # engine orders the read after the copy (Note [Arrival]) reads garbage. Here the CPU
+    # prefetch's buffer is poisoned until it arrives, so any read path that skips the arrival
+    # shows as a wrong gradient. Slower links mix evictions (and replays that read prefetched
+    # inputs) with swaps.
+    real = eager_swap.prefetch
+
+    def poisoned(copy):
+        value, pending = real(copy)
+        value.untyped_storage().fill_(255)  # NaN as floats, -1 as integers
+        return value, pending
+
+    monkeypatch.setattr(eager_swap, "prefetch", poisoned)
+    w = zoo.build(name, "tiny")
+    eager_model, model = fresh_model(w), fresh_model(w)
+    engine = dtr.budget(int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=bandwidth)
+    for _ in range(3):  # running statistics change step by step: eager takes the same steps
+        assert_same(run_step(w, model, engine), run_step(w, eager_model, "eager"))
+    assert engine.stats().prefetches > 0 or engine.stats().swaps_in == 0  # nothing came back
 
 
 def _block(previous, reads_x: bool):

@@ -403,6 +403,8 @@ class Driver:
                 return self._run(facts, func, args, {})
         for c in inputs:
             c.storage.locks += 1
+        if rt.arriving:
+            rt.arrive(inputs)
         try:
             state = rng.capture(vals, {}) if facts.random else None
             grad = torch.is_grad_enabled()
@@ -540,6 +542,16 @@ class Driver:
     def swap_in(handle):
         with _no_python_dispatch():
             return swap.swap_in(handle)
+
+    @staticmethod
+    def prefetch(handle):
+        with _no_python_dispatch():
+            return swap.prefetch(handle)
+
+    @staticmethod
+    def arrive(pending) -> None:
+        with _no_python_dispatch():
+            swap.arrive(pending)
 
     def forget(self, rec) -> None:
         if type(rec) is not Call:

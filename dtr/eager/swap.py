@@ -8,8 +8,13 @@ the current stream wait for that copy's event: compute never reads a buffer befo
 finished, without the host waiting. Each swap uses its own host buffer, so no buffer is reused
 before its copy has left.
 
+A prefetch (a swap-in ahead of need) copies back on the side stream into a buffer from the side
+stream's own pool, without waiting for the current stream, so the copy runs beside the compute
+already queued; the current stream waits for its event only when the engine first reads the
+value (``arrive``, Note [Arrival] in engine/runtime.py).
+
 On CPU (no accelerator: the tests' machines) the host tier is a separate copy of the data, made
-synchronously; the same logic runs, without the overlap.
+synchronously; the same logic runs, without the overlap (a prefetch's copy is made on arrival).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from dtr.eager.replay import clone_root
 
-__all__ = ["HostCopy", "swap_out", "swap_in", "measure_bandwidth"]
+__all__ = ["HostCopy", "swap_out", "swap_in", "prefetch", "arrive", "measure_bandwidth"]
 
 _streams: Dict[torch.device, Any] = {}
 _bandwidth: Dict[str, float] = {}
@@ -87,6 +92,41 @@ def swap_in(copy: HostCopy) -> Tuple[torch.Tensor, float]:
         buf.untyped_storage(), copy.offset, copy.size, copy.stride
     )
     return value, time.perf_counter() - t0
+
+
+def prefetch(copy: HostCopy) -> Tuple[torch.Tensor, Any]:
+    """Start copying the data back without waiting for it: a tensor viewed like the original,
+    not to be read before ``arrive(pending)``, and ``pending`` (engine: Note [Arrival])."""
+    if copy.device.type != "cuda":
+        # The copy is made on arrival: on CPU there is nothing to overlap, and a read that
+        # skipped ``arrive`` would see no data (the tests poison the buffer to catch one).
+        storage = torch.UntypedStorage(copy.host.untyped_storage().nbytes())
+        value = copy.host.new_empty((0,)).set_(storage, copy.offset, copy.size, copy.stride)
+        return value, (value, copy.host)
+    stream = _side_stream(copy.device)
+    with torch.cuda.stream(stream):
+        # From the side stream's pool, so that no wait on the compute stream is needed: the
+        # host buffer was filled earlier on this same stream. The copy starts at once, beside
+        # the compute already queued.
+        buf = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
+        buf.copy_(copy.host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    value = torch.empty(0, dtype=copy.dtype, device=copy.device).set_(
+        buf.untyped_storage(), copy.offset, copy.size, copy.stride
+    )
+    return value, (buf, event)
+
+
+def arrive(pending: Any) -> None:
+    """Order every later read of a prefetched value after its copy (the host does not wait)."""
+    buf, how = pending
+    if isinstance(how, torch.Tensor):  # CPU: the copy itself, of the whole storage
+        buf.untyped_storage().copy_(how.untyped_storage())
+        return
+    current = torch.cuda.current_stream(buf.device)
+    current.wait_event(how)
+    buf.record_stream(current)  # its memory goes back to the side stream: not before these reads
 
 
 def measure_bandwidth(device: Optional[torch.device] = None, nbytes: int = 64 * 2**20) -> float:

@@ -82,6 +82,13 @@ class Executor(Protocol):
     def swap_in(self, handle: Any) -> Tuple[Any, float]:
         """The root value back from the host, and the seconds the caller waited for it."""
 
+    def prefetch(self, handle: Any) -> Tuple[Any, Any]:
+        """Start bringing the root value back from the host without waiting: the value, which
+        must not be read before ``arrive(pending)``, and ``pending``."""
+
+    def arrive(self, pending: Any) -> None:
+        """Make the value of a prefetch readable (its copy has landed before any later read)."""
+
 
 class Ref(weakref.ref):
     """A program-held wrapper's link to its cell; the callback tells the runtime it died."""
@@ -167,6 +174,9 @@ class Runtime:
         self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
         self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
         self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
+        # Prefetched storages whose copy may still be landing -> the executor's pending handle:
+        # every read of their values goes through ``arrive`` first (Note [Arrival]).
+        self.arriving: dict = {}
 
     # ------------------------------------------------------------------ wrappers
 
@@ -264,7 +274,7 @@ class Runtime:
     # ------------------------------------------------------------------ ops
 
     def acquire(self, cells: Sequence[Cell]) -> None:
-        """Lock the storages of ``cells`` and make every cell defined (Invariant 2).
+        """Lock the storages of ``cells`` and make every cell defined and readable (Invariant 2).
 
         On error (``OutOfBudgetError``, or a failing replay) every lock taken here is undone.
         """
@@ -278,6 +288,27 @@ class Runtime:
             self.unlock(cells)
             self._settle()
             raise
+        if self.arriving:
+            self.arrive(cells)
+
+    def arrive(self, cells: Iterable[Cell]) -> None:
+        """Before the values of ``cells`` are read: wait (on the device, not the host) for the
+        copies of those whose storage was prefetched. Callers check ``arriving`` first.
+
+        Note [Arrival]
+        ~~~~~~~~~~~~~~
+        A prefetch starts the copy back and returns at once, so that the copy overlaps the
+        ops before the storage's next read; on CUDA that read must be ordered after the copy.
+        So a prefetched storage is in ``arriving`` until its first read, and every read goes
+        through here: op inputs (``acquire``, the driver's one-pass path), replays, swap-outs,
+        the end of the block. A storage whose values are dropped first (evicted, swapped out
+        again, released) just leaves ``arriving``.
+        """
+        arriving = self.arriving
+        for c in cells:
+            pending = arriving.pop(c.storage, None)
+            if pending is not None:
+                self.executor.arrive(pending)
 
     def before_write(self, storages: Iterable[Storage]) -> None:
         """Call before an op writes ``storages`` in place.
@@ -504,6 +535,8 @@ class Runtime:
             raise
 
     def _replay(self, rec: OpRecord) -> None:
+        if self.arriving:
+            self.arrive(rec.inputs)
         values, cost = self.executor.replay(rec)
         now = self.clock
         added = False
@@ -661,8 +694,9 @@ class Runtime:
         self._drop_values(s)
         self._on_evict(s)
 
-    @staticmethod
-    def _drop_values(s: Storage) -> None:
+    def _drop_values(self, s: Storage) -> None:
+        if self.arriving:
+            self.arriving.pop(s, None)  # never read: nothing waits for its copy
         s.value = None
         for w in s.views:
             c = w()
@@ -688,6 +722,8 @@ class Runtime:
 
     def _swap_out(self, s: Storage) -> None:
         """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
+        if s in self.arriving:
+            self.arrive((s,))
         handle = self.executor.swap_out(s.value)
         del self.resident[s]
         s.state = SWAPPED
@@ -716,7 +752,11 @@ class Runtime:
             self.memory -= self._outgoing.pop(i).nbytes
 
     def _swap_in(self, s: Storage, prefetch: bool) -> None:
-        value, waited = self.executor.swap_in(self.host.handles[s])
+        if prefetch:
+            value, self.arriving[s] = self.executor.prefetch(self.host.handles[s])
+            waited = 0.0
+        else:
+            value, waited = self.executor.swap_in(self.host.handles[s])
         if s in self._outgoing:  # back before its copy out was done: it was never freed
             self._outgoing.remove(s)
         else:
@@ -966,6 +1006,9 @@ class Runtime:
             self.closed = True
         if self.host is not None:
             self.host.log.seal()  # drops its storages: the log outlives the block
+        for pending in self.arriving.values():  # values that outlive the block must be readable
+            self.executor.arrive(pending)
+        self.arriving.clear()
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
@@ -1005,6 +1048,8 @@ class Runtime:
             assert s.state is RESIDENT, f"{s} is in the resident set"
             memory += s.nbytes
         assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
+        for s in self.arriving:  # Note [Arrival]: only resident values can be in flight
+            assert s.state is RESIDENT and s.value is not None, f"{s} is arriving but not resident"
         for s in self._all:
             assert s.state is not RELEASED, f"{s} is released but still registered"
             assert s.locks == self._pins.get(s, 0), f"{s} is still locked between ops"

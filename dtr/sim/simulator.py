@@ -96,6 +96,14 @@ class _Executor:
     def swap_in(handle):
         return handle, 0.0  # the stall is modelled from the bytes (SimResult.swap_stall)
 
+    @staticmethod
+    def prefetch(handle):
+        return handle, True
+
+    @staticmethod
+    def arrive(pending) -> None:
+        pass
+
 
 class _Wrapper:
     """Stands for a tensor object the program held (the runtime keeps a weak reference)."""
