@@ -246,3 +246,29 @@ def test_cuda_swaps_are_ordered_by_events():
     assert engine.stats().swaps_out > 0
     for g, e in zip(got, eager):
         assert torch.equal(g, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetches_land_before_their_reads():
+    """Steps after the first prefetch on the side stream; compute waits for each copy at the
+    tensor's first read (Note [Arrival]): gradients stay eager's in every step."""
+    x = torch.randn(512, 512, device="cuda")
+    ws = [torch.randn(512, 512, device="cuda", requires_grad=True) for _ in range(8)]
+
+    def step():
+        for w in ws:
+            w.grad = None
+        y = x
+        for w in ws:
+            y = torch.tanh(y @ w)
+        y.sum().backward()
+        return [w.grad.clone() for w in ws]
+
+    eager = step()
+    engine = dtr.budget(6 * 512 * 512 * 4, swap=True, bandwidth=FAST)
+    for _ in range(3):
+        with engine:
+            got = step()
+        for g, e in zip(got, eager):
+            assert torch.equal(g, e)
+    assert engine.stats().prefetches > 0
