@@ -16,8 +16,8 @@
    that run's synchronous swap-ins and prefetches.
 2. ``--real``: real steps of a few zoo models at their bench presets on ``--device`` (CUDA when
    available), remat-only vs combined at fractions of the unlimited step's peak and the
-   measured host-copy bandwidth: wall time over eager (median of ``--repeats`` after a warm-up
-   step), the peak measured without dtr (``torch.cuda.max_memory_allocated``, or torch.profiler
+   measured host-copy bandwidth: wall time over eager (``--repeats`` steps after a warm-up
+   step, taking turns with eager steps), the peak measured without dtr (``torch.cuda.max_memory_allocated``, or torch.profiler
    on CPU) and one step's swap / remat mix. On CPU the host tier is a second copy in RAM,
    which the measured peak includes.
 
@@ -162,9 +162,10 @@ def _step(w, engine, device) -> float:
 
 def real(models, fractions, repeats, device, out, base):
     """Real steps on ``device`` at fractions of the unlimited step's tracked peak, remat-only
-    and combined: wall time over eager (median of ``repeats`` after a warm-up step, which also
-    records the access order prefetching follows), the measured peak of one more step, and
-    that step's swap / remat mix."""
+    and combined: wall time over eager (after a warm-up step, which also records the access
+    order prefetching follows, ``repeats`` steps taking turns with eager ones: median over
+    median, so that a burst of load on a shared machine hits both), the measured peak of one
+    more step, and that step's swap / remat mix."""
     bw = measure_bandwidth(device)
     print(f"\n## real steps on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host'}), "
           f"host-copy bandwidth measured: {bw / 1e9:.1f} GB/s")
@@ -187,7 +188,11 @@ def real(models, fractions, repeats, device, out, base):
                 engine = dtr.budget(int(peak * f), **opts)
                 try:
                     _step(w, engine, device)
-                    row["slowdown"] = statistics.median(_step(w, engine, device) for _ in range(repeats)) / eager
+                    runs, eagers = [], []
+                    for _ in range(repeats):
+                        eagers.append(_step(w, None, device))
+                        runs.append(_step(w, engine, device))
+                    row["slowdown"] = statistics.median(runs) / statistics.median(eagers)
                     before = engine.stats()
                     row["peak_bytes"] = measured_peak(lambda: _step(w, engine, device), device)
                     after = engine.stats()
