@@ -162,10 +162,22 @@ def test_a_prefetched_value_is_read_only_after_it_arrives(name, bandwidth, monke
     assert engine.stats().prefetches > 0 or engine.stats().swaps_in == 0  # nothing came back
 
 
-def _block(previous, reads_x: bool):
+class _Arrivals(_Executor):
+    """The simulator's executor, counting arrivals."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+
+    def arrive(self, pending) -> None:
+        self.arrived += 1
+
+
+def _block(previous, reads_x, end=None):
     """One block on the torch-free engine: X is made, swapped out by P and Q, then read at
-    clock 9 (``reads_x``) or not (another op makes R instead); returns its log and counts."""
-    rt = Runtime(100, make_heuristic("dtr_eq"), _Executor())
+    clock 9 by an op (``reads_x="op"``), by a plain read (``"read"``: ``dtr.materialize``'s
+    path) or not (``None``: another op makes R instead); ``end(rt, held)`` instead of dropping
+    X and closing. Returns its log and counts."""
+    rt = Runtime(100, make_heuristic("dtr_eq"), _Arrivals())
     rt.host = HostTier(1e3, None, previous)
     held, cells = {}, {}
 
@@ -184,7 +196,16 @@ def _block(previous, reads_x: bool):
     rt.drain()
     for i in range(6):
         op(f"f{i}", 0, keep=False)
-    op("use", 0, ["X"], keep=False) if reads_x else op("R", 40)
+    if end is not None:
+        end(rt, held)
+        return rt
+    if reads_x == "op":
+        op("use", 0, ["X"], keep=False)
+    elif reads_x == "read":
+        rt.acquire([cells["X"]])
+        rt.unlock([cells["X"]])
+    else:
+        op("R", 40)
     del held["X"]  # dropped before the block ends (which would bring it back)
     rt.drain()
     rt.close()
@@ -196,20 +217,45 @@ def test_a_prefetch_the_program_stopped_needing_is_not_repeated():
     # Block A reads the swapped X; blocks B (an evaluation, say) never do. The first B
     # prefetches X, as A's log says; the next ones must not (a prefetch used to log itself as
     # a need, so a useless one repeated in every later block).
-    log, (sync, pre) = _block(None, reads_x=True)
+    log, (sync, pre) = _block(None, reads_x="op")
     assert (sync, pre) == (1, 0)
     counts = []
     for _ in range(3):
-        log, got = _block(log, reads_x=False)
+        log, got = _block(log, reads_x=None)
         counts.append(got)
     assert counts[0][1] == 1 and counts[1:] == [(0, 0), (0, 0)], counts
-    # A prefetch the block reads is remembered: blocks A prefetch X every time after the first.
-    log, _ = _block(None, reads_x=True)
+
+
+@pytest.mark.parametrize("read", ["op", "read"])
+def test_a_prefetch_the_block_reads_is_repeated_in_every_later_block(read):
+    # Read by an op or by a plain read (dtr.materialize, .item(), printing): both count, or
+    # the steps alternate between synchronous swap-ins and prefetches.
+    log, _ = _block(None, reads_x=read)
     counts = []
     for _ in range(3):
-        log, got = _block(log, reads_x=True)
+        log, got = _block(log, reads_x=read)
         counts.append(got)
     assert counts == [(0, 1)] * 3
+
+
+def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
+    # X is prefetched (as the first block's log says) but not read yet when the block ends, and
+    # bringing the live tensors back fails (say, a replay raises): X outlives the block, so its
+    # copy must still land.
+    log, _ = _block(None, reads_x="op")
+
+    def end(rt, held):
+        assert rt.arriving  # X, prefetched, not read
+
+        def failing(cells):
+            raise RuntimeError("a replay failed")
+
+        rt.acquire = failing
+        with pytest.raises(RuntimeError, match="replay failed"):
+            rt.close()
+
+    rt = _block(log, reads_x=None, end=end)
+    assert not rt.arriving and rt.executor.arrived == 1
 
 
 def test_simulated_swapping_repeats_the_real_run(tmp_path):

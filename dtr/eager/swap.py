@@ -104,6 +104,10 @@ def prefetch(copy: HostCopy) -> Tuple[torch.Tensor, Any]:
         value = copy.host.new_empty((0,)).set_(storage, copy.offset, copy.size, copy.stride)
         return value, (value, copy.host)
     stream = _side_stream(copy.device)
+    if copy.pending is not None:
+        # Its copy out may not have run yet, and the handle (the only reference to the device
+        # tensor it reads) is about to go: keep that memory from the compute stream until then.
+        copy.pending.record_stream(stream)
     with torch.cuda.stream(stream):
         # From the side stream's pool, so that no wait on the compute stream is needed: the
         # host buffer was filled earlier on this same stream. The copy starts at once, beside

@@ -306,9 +306,11 @@ class Runtime:
         """
         arriving = self.arriving
         for c in cells:
-            pending = arriving.pop(c.storage, None)
+            s = c.storage
+            pending = arriving.pop(s, None)
             if pending is not None:
                 self.executor.arrive(pending)
+                self.host.log.read(s)  # the prefetch was needed: the next block repeats it
 
     def before_write(self, storages: Iterable[Storage]) -> None:
         """Call before an op writes ``storages`` in place.
@@ -722,8 +724,9 @@ class Runtime:
 
     def _swap_out(self, s: Storage) -> None:
         """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
-        if s in self.arriving:
-            self.arrive((s,))
+        pending = self.arriving.pop(s, None)
+        if pending is not None:  # prefetched, never read: its copy back lands before this copy out
+            self.executor.arrive(pending)
         handle = self.executor.swap_out(s.value)
         del self.resident[s]
         s.state = SWAPPED
@@ -1004,11 +1007,12 @@ class Runtime:
         finally:
             self.budget = saved
             self.closed = True
-        if self.host is not None:
-            self.host.log.seal()  # drops its storages: the log outlives the block
-        for pending in self.arriving.values():  # values that outlive the block must be readable
-            self.executor.arrive(pending)
-        self.arriving.clear()
+            # Values that outlive the block must be readable, also when it ended in an error.
+            for pending in self.arriving.values():
+                self.executor.arrive(pending)
+            self.arriving.clear()
+            if self.host is not None:
+                self.host.log.seal()  # the log outlives the block: it drops its storages
         self._refs.clear()
         self.resident.clear()
         self._all.clear()

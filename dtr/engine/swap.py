@@ -48,20 +48,25 @@ class SwapLog:
     def __init__(self) -> None:
         self.swap_ins: List[Need] = []
         self.costs: List[float] = []  # costs[t - 1]: cost of the op that advanced the clock to t
-        # (need, storage, clock of the prefetch) until the block is over: whether the storage
-        # was read after its prefetch is known only then (``seal``).
-        self._prefetched: List[Tuple[Need, Any, int]] = []
+        # Prefetched storages not read yet -> their need. A prefetch is logged when the block
+        # reads the storage (``read``); one it never reads is forgotten (``seal``).
+        self._unread: Dict[Any, Need] = {}
         self.prefetched: List[Need] = []
         self._prefix: Optional[List[float]] = None  # cumulative costs, for cost_between
 
-    def prefetch(self, need: Need, storage: Any, clock: int) -> None:
-        """``storage`` was prefetched at ``clock`` for ``need`` (from the previous block)."""
-        self._prefetched.append((need, storage, clock))
+    def prefetch(self, need: Need, storage: Any) -> None:
+        """``storage`` was prefetched for ``need`` (from the previous block)."""
+        self._unread[storage] = need
+
+    def read(self, storage: Any) -> None:
+        """The block read ``storage`` after prefetching it."""
+        need = self._unread.pop(storage, None)
+        if need is not None:
+            self.prefetched.append(need)
 
     def seal(self) -> None:
-        """At the end of the block: keep the prefetches that were read afterwards."""
-        self.prefetched += [need for need, s, at in self._prefetched if s.last_access > at]
-        self._prefetched = []
+        """At the end of the block: forget the prefetches it never read."""
+        self._unread.clear()
 
     def prefetch_schedule(self, bandwidth: float) -> Dict[int, List[Need]]:
         """clock -> the needs to prefetch once the op that advanced the clock to it has
@@ -149,7 +154,7 @@ class HostTier:
     def prefetched(self, storage: Any, need: Need, clock: int) -> None:
         """``storage`` was brought back at ``clock`` for ``need``: log it, and charge what the
         ops left before the need (by the previous block's costs) cannot cover."""
-        self.log.prefetch(need, storage, clock)
+        self.log.prefetch(need, storage)
         uncovered = storage.nbytes / self.bandwidth - self._previous.cost_between(clock, need[0])
         if uncovered > 0:
             self.late_seconds += uncovered
