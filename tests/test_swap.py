@@ -271,22 +271,28 @@ def test_simulated_swapping_repeats_the_real_run(tmp_path):
     assert no_swap.swaps_out == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_swaps_are_ordered_by_events():
-    """Copies run on a side stream; compute after a swap-in must see the copied data."""
-    x = torch.randn(256, 256, device="cuda")
-    ws = [torch.randn(256, 256, device="cuda", requires_grad=True) for _ in range(6)]
+def _cuda_chain(layers: int, size: int):
+    """A chain of tanh(y @ w) on CUDA, and a step that returns its weights' gradients."""
+    x = torch.randn(size, size, device="cuda")
+    ws = [torch.randn(size, size, device="cuda", requires_grad=True) for _ in range(layers)]
 
     def step():
+        for w in ws:
+            w.grad = None
         y = x
         for w in ws:
             y = torch.tanh(y @ w)
         y.sum().backward()
         return [w.grad.clone() for w in ws]
 
+    return step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_swaps_are_ordered_by_events():
+    """Copies run on a side stream; compute after a swap-in must see the copied data."""
+    step = _cuda_chain(6, 256)
     eager = step()
-    for w in ws:
-        w.grad = None
     with dtr.budget(3 * 256 * 256 * 4, swap=True, bandwidth=FAST) as engine:
         got = step()
     assert engine.stats().swaps_out > 0
@@ -298,18 +304,7 @@ def test_cuda_swaps_are_ordered_by_events():
 def test_cuda_prefetches_land_before_their_reads():
     """Steps after the first prefetch on the side stream; compute waits for each copy at the
     tensor's first read (Note [Arrival]): gradients stay eager's in every step."""
-    x = torch.randn(512, 512, device="cuda")
-    ws = [torch.randn(512, 512, device="cuda", requires_grad=True) for _ in range(8)]
-
-    def step():
-        for w in ws:
-            w.grad = None
-        y = x
-        for w in ws:
-            y = torch.tanh(y @ w)
-        y.sum().backward()
-        return [w.grad.clone() for w in ws]
-
+    step = _cuda_chain(8, 512)
     eager = step()
     engine = dtr.budget(6 * 512 * 512 * 4, swap=True, bandwidth=FAST)
     for _ in range(3):
