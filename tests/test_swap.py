@@ -258,6 +258,24 @@ def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
     assert not rt.arriving and rt.executor.arrived == 1
 
 
+def test_the_swap_log_times_every_op_also_one_that_failed():
+    # The prefetch schedule reads op costs by clock: an op that raised OutOfBudgetError still
+    # moved the clock, and its cost must be logged, or every later prefetch is timed one op off.
+    rt = Runtime(100, make_heuristic("dtr_eq"), _Executor())
+    rt.host = HostTier(1e3, 0)  # no host room: b cannot push a out
+    keep, failed = [], []
+    for name, nbytes in (("a", 60), ("b", 60), ("c", 30)):
+        try:
+            (c,) = rt.complete(OpRecord(name, [], None, 1.0, False), [], [(nbytes, _DATA, None)])
+        except dtr.OutOfBudgetError:
+            failed.append(name)
+            continue
+        keep.append(_Wrapper())
+        rt.track(keep[-1], c)
+    assert failed == ["b"]
+    assert rt.clock == 3 and len(rt.host.log.costs) == 3
+
+
 def test_simulated_swapping_repeats_the_real_run(tmp_path):
     w = zoo.build("resnet", "tiny")
     budget = int(_peak(w) * 0.4)

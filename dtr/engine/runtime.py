@@ -389,8 +389,10 @@ class Runtime:
             self._wire(rec, new, now)
         finally:
             self.unlock(rec.inputs)
+            if self.host is not None:  # the clock moved, also for an op that failed here
+                self.host.log.costs.append(rec.cost)
         if self.host is not None:
-            self._after_op(rec.cost)
+            self._after_op()
         return outs  # type: ignore[return-value]
 
     def _fit_outputs(self, rec: OpRecord, new: List[Storage], n_versions: int) -> None:
@@ -792,11 +794,10 @@ class Runtime:
             self.memory -= s.nbytes
         self.host.remove(s)
 
-    def _after_op(self, cost: float) -> None:
-        """Log the op's cost for the next block's prefetch timing; prefetch what the previous
-        block needed next, as soon as it fits without evicting anything."""
+    def _after_op(self) -> None:
+        """Prefetch what the previous block needed next, as soon as it fits without evicting
+        anything."""
         host = self.host
-        host.log.costs.append(cost)
         if self._outgoing:
             self._poll_outgoing()
         due = host.due(self.clock)
