@@ -152,8 +152,9 @@ class HostTier:
         return [(by_sid[n[1]], n) for n in needs if n[1] in by_sid]
 
     def prefetched(self, storage: Any, need: Need, clock: int) -> None:
-        """``storage`` was brought back at ``clock`` for ``need``: log it, and charge what the
-        ops left before the need (by the previous block's costs) cannot cover."""
+        """``storage`` was brought back at ``clock`` for ``need``: note it (the log keeps it
+        once the block reads the storage), and charge what the ops left before the need (by
+        the previous block's costs) cannot cover."""
         self.log.prefetch(need, storage)
         uncovered = storage.nbytes / self.bandwidth - self._previous.cost_between(clock, need[0])
         if uncovered > 0:
