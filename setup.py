@@ -1,8 +1,10 @@
-"""Build hook for the optional native planner ``dtr_ext`` (everything else is in pyproject.toml).
+"""Build hook for the optional native code ``dtr_ext`` (everything else is in pyproject.toml).
 
-The extension speeds up ``dtr.planner``'s DPs; the pure-Python planner gives the same plans. If
-no C compiler is found or the build fails, installation goes on without it and says so here; at
-run time ``dtr.planner.HAS_NATIVE`` is False and one warning says why.
+``dtr_ext._planner`` speeds up ``dtr.planner``'s DPs; the pure-Python planner gives the same plans.
+``dtr_ext._collector`` keeps the engine's records out of Python's cyclic collector; without it the
+engine behaves the same, with more collector work per op. If no C compiler is found or a build
+fails, installation goes on without it and says so here; at run time ``dtr.planner.HAS_NATIVE``
+(one warning says why) and ``dtr.engine.collector.NATIVE`` tell.
 """
 
 import os
@@ -12,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 
 class OptionalBuildExt(build_ext):
-    """build_ext that turns any failure into a warning: the pure-Python planner is the fallback."""
+    """build_ext that turns any failure into a warning: the pure-Python code is the fallback."""
 
     def run(self):
         try:
@@ -32,12 +34,13 @@ class OptionalBuildExt(build_ext):
             self._fallback(exc)
 
     def _fallback(self, exc):
-        self.warn(f"dtr: building the native planner dtr_ext failed ({exc}); installing without it. "
-                  "dtr.planner will use its pure-Python DPs (same plans, slower).")
+        self.warn(f"dtr: building the native code dtr_ext failed ({exc}); installing without it. "
+                  "dtr uses its pure-Python fallbacks (same results, slower).")
 
 
 extensions = [] if os.environ.get("DTR_PUREPYTHON") == "1" else [
     Extension("dtr_ext._planner", sources=["dtr_ext/planner.c"]),
+    Extension("dtr_ext._collector", sources=["dtr_ext/collector.c"]),
 ]
 
 setup(ext_modules=extensions, cmdclass={"build_ext": OptionalBuildExt})

@@ -175,7 +175,7 @@ class Engine:
             }
         writer = TraceWriter(self._trace, header)
         self._traced_blocks += 1
-        return lambda budget, h, executor: RecordingRuntime(budget, h, executor, writer)
+        return lambda budget, h, executor, **options: RecordingRuntime(budget, h, executor, writer, **options)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         driver, mode = self._driver, self._mode

@@ -1,2 +1,6 @@
-"""Native twins of dtr.planner's DP loops: ``dtr_ext._planner``, built from ``planner.c`` when a C
-compiler is available. ``dtr/planner/_native.py`` is its only user."""
+"""Optional native code, built when a C compiler is available; each module has one user and a
+pure-Python fallback with the same results:
+
+- ``dtr_ext._planner`` (``planner.c``): the planner's DP loops, used by ``dtr/planner/_native.py``;
+- ``dtr_ext._collector`` (``collector.c``): keeps the engine's records out of Python's cyclic
+  collector, used by ``dtr/engine/collector.py``."""

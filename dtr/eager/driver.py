@@ -32,6 +32,7 @@ from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.engine import OpRecord, Runtime, State
+from dtr.engine.collector import untrack
 from dtr.errors import DTRError
 
 __all__ = ["Driver"]
@@ -63,8 +64,9 @@ class Driver:
     views_alias_data = True  # torch views share their storage's memory
 
     def __init__(self, budget: Optional[int], heuristic, estimate: bool, runtime=Runtime) -> None:
-        # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder)
-        self.rt = runtime(budget, heuristic, self)
+        # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
+        # Untracked records: the block always closes the runtime (Note [Untracked records]).
+        self.rt = runtime(budget, heuristic, self, untracked=True)
         self.estimate = estimate
         self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
         self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
@@ -354,6 +356,7 @@ class Driver:
             raise
         if call is not None and replayable and consts:
             call.consts = self._use_constants(consts)
+            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
 
         # -- wrap -----------------------------------------------------------------------------
         by_pos = dict(zip(fresh_pos, cells[nv:]))
@@ -447,6 +450,7 @@ class Driver:
             raise
         if consts:
             call.consts = self._use_constants(consts)
+            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
         return make_wrapper(out, rt, cell)
 
     def _scan_list(self, seq, where, inputs, slots, consts):

@@ -32,6 +32,7 @@ from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
+from dtr.engine import collector
 from dtr.engine.candidates import CandidateIndex
 from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
@@ -146,9 +147,13 @@ class Runtime:
         budget: bytes, or None to track without evicting for budget.
         heuristic: scoring object (see heuristics.py).
         executor: replays records (see ``Executor``).
+        untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
+            the caller must then ``close()`` the runtime.
     """
 
-    def __init__(self, budget: Optional[int], heuristic: Heuristic, executor: Executor) -> None:
+    def __init__(
+        self, budget: Optional[int], heuristic: Heuristic, executor: Executor, *, untracked: bool = False
+    ) -> None:
         self.budget = budget
         self.heuristic = heuristic
         self._score = heuristic.score
@@ -177,15 +182,20 @@ class Runtime:
         # Prefetched storages whose copy may still be landing -> the executor's pending handle:
         # every read of their values goes through ``arrive`` first (Note [Arrival]).
         self.arriving: dict = {}
+        self._untrack = collector.untrack if untracked else None
+        # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
+        self._wrapper_died = self._on_wrapper_death
 
     # ------------------------------------------------------------------ wrappers
 
     def track(self, wrapper: Any, cell: Cell) -> Ref:
         """Count ``wrapper`` as a program reference to ``cell``'s storage until it dies."""
-        ref = Ref(wrapper, self._on_wrapper_death)
+        ref = Ref(wrapper, self._wrapper_died)
         ref.cell = cell
         self._refs[id(ref)] = ref
         cell.storage.refs += 1
+        if self._untrack is not None:
+            self._untrack(ref)  # Note [Untracked records]
         return ref
 
     def _on_wrapper_death(self, ref: Ref) -> None:
@@ -435,6 +445,7 @@ class Runtime:
         else:
             ins = tuple(dict.fromkeys([c.storage for c in inputs]))
         rec.use_storages = ins
+        untrack = self._untrack
         for s in ins:
             s.uses += 1
             deps = s.dependents
@@ -442,6 +453,30 @@ class Runtime:
                 deps = s.dependents = {}
             for t in new:
                 deps[t] = None
+            if untrack is not None:
+                untrack(deps)  # again: adding a storage makes a dict tracked
+        if untrack is not None:
+            untrack(rec, inputs, rec.outputs, ins)
+
+    # Note [Untracked records]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~
+    # A replayable record keeps four containers alive for as long as its outputs may be
+    # recomputed, often a whole forward pass: the record, its input and output lists, and the
+    # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
+    # its record's argument tuples), and a wrapper autograd saves keeps its ``Ref``. They outlive
+    # the collector's young generations, so every full collection visits them, and they bring
+    # those collections on: ~0.6 us per object per op amortized (docs/runtime.md). With
+    # ``untracked=True`` the runtime takes them out of the collector once wired (``collector``;
+    # a no-op without dtr_ext). Safe, because every cycle through them passes through the
+    # ``parent`` link of a storage the record made (an output lists its record, a dependents
+    # dict and a forward version lead to a record's output), and the runtime clears that link
+    # itself when it releases or cuts the storage (Note [Views held weakly]); for storages
+    # still in the graph at ``close``, their records' containers go back to the collector
+    # there. A ``Ref`` is in a cycle only through ``_refs``, which it leaves when its wrapper
+    # dies; those still there at ``close`` go back too. A runtime left open would never be
+    # collected, hence the flag: the driver always
+    # closes its runtime. Storages, cells and wrappers stay tracked: heuristics, swap logs and
+    # the program may hold them in cycles of their own.
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
@@ -1014,16 +1049,35 @@ class Runtime:
             self.arriving.clear()
             if self.host is not None:
                 self.host.log.seal()  # the log outlives the block: it drops its storages
+            if self._untrack is not None:
+                self._give_back()
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
         self._index = None
+        # The heuristic's log of lowered keys, which only the index reads, holds storages:
+        # tensors that escape the block would keep them (and this runtime's metadata) alive.
+        lowered = getattr(self.heuristic, "lowered", None)
+        if lowered is not None:
+            lowered()
         self.memory = 0
         if self.host is not None:
             self.host.handles.clear()
             self.host.by_sid.clear()
             self.host.bytes = 0
             self._outgoing.clear()
+
+    def _give_back(self) -> None:
+        """Return the containers of records that still have outputs in the graph, and the
+        refs of live wrappers, to the cyclic collector (Note [Untracked records])."""
+        track = collector.track
+        track(*self._refs.values())
+        for s in self._all:
+            rec = s.parent
+            if rec is not None:
+                track(rec, rec.inputs, rec.outputs, rec.use_storages)
+            if s.dependents:
+                track(s.dependents)
 
     # ------------------------------------------------------------------ introspection
 

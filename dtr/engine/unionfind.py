@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dtr.engine.collector import untrack
+
 __all__ = ["UFNode", "attach", "find", "union"]
 
 
@@ -28,6 +30,9 @@ class UFNode:
         self.parent: Optional[UFNode] = None
         self.cost = cost
         self.size = 1
+        # Nodes point only up their trees, so they are never in a cycle: reference counting
+        # frees them, and the cyclic collector need not visit them (dtr/engine/collector.py).
+        untrack(self)
 
 
 def find(node: UFNode) -> UFNode:

@@ -26,8 +26,8 @@ __all__ = ["RecordingRuntime"]
 class RecordingRuntime(Runtime):
     """A ``Runtime`` that logs its driver's calls to ``writer`` (one block)."""
 
-    def __init__(self, budget: Optional[int], heuristic, executor, writer: TraceWriter) -> None:
-        super().__init__(budget, heuristic, executor)
+    def __init__(self, budget: Optional[int], heuristic, executor, writer: TraceWriter, **options) -> None:
+        super().__init__(budget, heuristic, executor, **options)
         self.writer = writer
         self._depth = 0  # > 0 inside a logged call: nested calls are part of it
         self._cids: "weakref.WeakKeyDictionary[Cell, int]" = weakref.WeakKeyDictionary()
