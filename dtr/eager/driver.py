@@ -72,6 +72,7 @@ class Driver:
         self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
         self.external: Dict[int, Any] = {}  # _key -> EXTERNAL storage handed out
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
+        self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
@@ -600,13 +601,14 @@ class Driver:
         """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
         engine-owned tensors (feasibility Q1). Views of leaves (``w.t()`` built in backward is a
         leaf view that requires grad) never accumulate gradients and get no hook."""
+        # One bound method for every leaf: a closure per leaf was two more objects per
+        # parameter and block for the cyclic collector (docs/runtime.md).
+        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(self._plain_grad)
 
-        def plain_grad(param: torch.Tensor) -> None:
-            g = param.grad
-            if type(g) is DTRTensor and g._dtr.cell.storage.runtime is self.rt and not self.rt.closed:
-                param.grad = self.to_plain(g, for_grad=True)
-
-        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(plain_grad)
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        g = param.grad
+        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is self.rt and not self.rt.closed:
+            param.grad = self.to_plain(g, for_grad=True)
 
     # ------------------------------------------------------------------ lifecycle
 
