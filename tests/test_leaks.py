@@ -9,7 +9,7 @@ import torch
 
 import dtr
 from dtr.eager.driver import Driver
-from dtr.engine import Runtime, collector
+from dtr.engine import Runtime, State, collector
 from dtr.testing.zoo import MODELS, build
 
 WIDTH = 32
@@ -138,8 +138,9 @@ def _alive(made):
 
 
 def test_records_are_kept_from_the_collector():
-    """Note [Untracked records]: with the native module, a block's records, their lists and
-    the dependents dicts are invisible to the cyclic collector; storages are not."""
+    """Note [Untracked records]: with the native module, a block's records, their lists, the
+    dependents dicts and the storages in the graph are invisible to the cyclic collector; a
+    storage goes back to it when it leaves the graph (released, or at the block's end)."""
     if not collector.NATIVE:
         pytest.skip("dtr_ext._collector is not built (DTR_PUREPYTHON=1 or no compiler)")
     x = torch.randn(8, 8)
@@ -150,7 +151,14 @@ def test_records_are_kept_from_the_collector():
         inputs = rec.inputs[0].storage
         assert not gc.is_tracked(rec) and not gc.is_tracked(rec.inputs)
         assert not gc.is_tracked(rec.outputs) and not gc.is_tracked(inputs.dependents)
-        assert gc.is_tracked(s)
+        assert not gc.is_tracked(s) and not gc.is_tracked(inputs)
+        del y
+        z = x + 1  # the next op applies y's death: ``s``, and ``x * 2`` that only it read, go
+        assert s.state is State.RELEASED and inputs.state is State.RELEASED
+        assert gc.is_tracked(s) and gc.is_tracked(inputs)
+        last = engine._driver.rt.resolve(z._dtr.cell).storage
+        assert not gc.is_tracked(last)
+    assert gc.is_tracked(last)  # still in the graph at the block's end
 
 
 # Each untracked record is in cycles only through the ``parent`` link of a storage it made

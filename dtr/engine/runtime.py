@@ -413,7 +413,7 @@ class Runtime:
         except BaseException:  # OutOfBudgetError, or anything a heuristic raised
             for i, s in enumerate(new[n_versions:], start=n_versions):
                 del self.resident[s]
-                del self._all[s]
+                self._leave_graph(s)
                 self.memory -= s.nbytes
                 s.state = RELEASED
                 s.value = None
@@ -474,17 +474,29 @@ class Runtime:
     # still in the graph at ``close``, their records' containers go back to the collector
     # there. A ``Ref`` is in a cycle only through ``_refs``, which it leaves when its wrapper
     # dies; those still there at ``close`` go back too. A runtime left open would never be
-    # collected, hence the flag: the driver always
-    # closes its runtime. Storages, cells and wrappers stay tracked: heuristics, swap logs and
-    # the program may hold them in cycles of their own.
+    # collected, hence the flag: the driver always closes its runtime. A storage, which every
+    # record keeps too, is untracked only while it is in ``_all``: the runtime's dicts hold it
+    # there, so it is not garbage; it goes back to the collector as it leaves (release, an
+    # output dropped by ``_fit_outputs``) or at ``close``, so that a heuristic, a swap log or
+    # the program that still holds it may hold it in a cycle of their own, as before. Cells and
+    # wrappers stay tracked.
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
         s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)
         self.resident[s] = None
         self._all[s] = None
+        if self._untrack is not None:
+            self._untrack(s)  # while it is in the graph: Note [Untracked records]
         self.memory += nbytes
         return s
+
+    def _leave_graph(self, s: Storage) -> None:
+        """``s`` is no longer in ``_all``: it goes back to the collector (Note [Untracked
+        records]), since whoever still holds it may hold it in a cycle of their own."""
+        del self._all[s]
+        if self._untrack is not None:
+            collector.track(s)
 
     @staticmethod
     def _new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
@@ -866,7 +878,7 @@ class Runtime:
             elif s.state is SWAPPED:
                 self._leave_host(s)
             s.state = RELEASED
-            del self._all[s]
+            self._leave_graph(s)
             self._on_release(s)
             rec = s.parent
             # Its parent lists it as an output: break that cycle so that reference counting
@@ -1073,6 +1085,7 @@ class Runtime:
         track = collector.track
         track(*self._refs.values())
         for s in self._all:
+            track(s)
             rec = s.parent
             if rec is not None:
                 track(rec, rec.inputs, rec.outputs, rec.use_storages)
