@@ -70,6 +70,7 @@ class OpFacts:
         "plain_outputs",
         "placeholder",
         "simple",
+        "one_view",
     )
 
     def __init__(self, func) -> None:
@@ -92,6 +93,7 @@ class OpFacts:
         self.plain_outputs: Tuple[int, ...] = ()  # flat output positions returned unwrapped
         self.placeholder = False  # returns uninitialized memory (see _PLACEHOLDERS)
         self.simple = False  # the common case: writes nothing, returns one new tensor
+        self.one_view = False  # a view op returning one view of its only tensor argument
 
     def __repr__(self) -> str:
         return f"OpFacts({self.name}, {self.kind.name})"
@@ -233,4 +235,17 @@ def _compute(func) -> OpFacts:
                 f"dtr: {f.name} returns views of several arguments or mixes views with new "
                 "tensors; please report this op"
             )
+    if f.kind is Kind.VIEW:
+        f.one_view = f.returns == ((VIEW, False, (f.view_of, None)),) and not any(
+            _holds_tensors(a.type) for i, a in enumerate(schema.arguments) if i != f.view_of
+        )
     return f
+
+
+def _holds_tensors(t) -> bool:
+    """Whether an argument of schema type ``t`` can be or contain a tensor."""
+    if isinstance(t, (torch.OptionalType, torch.ListType)):
+        t = t.getElementType()
+        if isinstance(t, torch.OptionalType):
+            t = t.getElementType()
+    return isinstance(t, torch.TensorType)

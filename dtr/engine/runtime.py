@@ -310,7 +310,7 @@ class Runtime:
         A prefetch starts the copy back and returns at once, so that the copy overlaps the
         ops before the storage's next read; on CUDA that read must be ordered after the copy.
         So a prefetched storage is in ``arriving`` until its first read, and every read goes
-        through here: op inputs (``acquire``, the driver's one-pass path), replays, swap-outs,
+        through here: op inputs (``acquire``, the driver's one-pass paths), replays, swap-outs,
         the end of the block. A storage whose values are dropped first (evicted, swapped out
         again, released) just leaves ``arriving``.
         """

@@ -1,0 +1,60 @@
+"""Op facts (dtr/eager/ops.py) and the driver's one-pass path for views."""
+
+import pytest
+import torch
+
+import dtr
+from dtr.eager.ops import facts_for
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "op, one_view",
+    [
+        (aten.t.default, True),
+        (aten.view.default, True),
+        (aten.transpose.int, True),
+        (aten.expand.default, True),
+        (aten.slice.Tensor, True),
+        (aten.as_strided.default, True),
+        (aten._unsafe_view.default, True),
+        (aten.view_as.default, False),  # a second tensor argument: the general path reads it
+        (aten.split.Tensor, False),  # a list of views
+        (aten.unbind.int, False),
+        (aten.alias.default, False),  # handled as a detach
+        (aten.tanh.default, False),
+    ],
+)
+def test_one_view_is_a_single_view_of_the_only_tensor_argument(op, one_view):
+    assert facts_for(op).one_view is one_view
+
+
+VIEWS = {
+    "t": lambda y: y.t(),
+    "transpose": lambda y: y.transpose(0, 1),
+    "view": lambda y: y.view(4, 12),
+    "expand": lambda y: y[:1].expand(3, 6, 8),
+    "select": lambda y: y.select(1, 2),
+    "slice": lambda y: y[:, 2:5],
+    "permute": lambda y: y.unsqueeze(0).permute(2, 0, 1),
+    "diagonal": lambda y: y.diagonal(),
+    "unfold": lambda y: y.unfold(1, 3, 2),
+    "as_strided": lambda y: y.as_strided((3, 3), (2, 1), 4),
+    "view_dtype": lambda y: y.view(torch.int32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_a_view_is_recomputed_after_its_base_is_evicted(name):
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    expected = VIEWS[name](x * 2 + 1)
+    with dtr.budget(None) as engine:
+        v = VIEWS[name](x * 2 + 1)
+        engine.budget = 0  # evicts every storage that can be recomputed: v's base among them
+        assert engine.stats().evictions > 0 and engine.stats().resident_bytes == 0
+        engine.budget = None
+        got = dtr.materialize(v)
+    assert engine.stats().rematerializations > 0
+    assert torch.equal(got, expected)
+    assert got.stride() == expected.stride() and got.storage_offset() == expected.storage_offset()
