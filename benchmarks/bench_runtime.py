@@ -24,14 +24,22 @@ Two sections (the runtime issue's benchmark):
    peak is the unlimited run's ``stats().peak_resident_bytes``. Default (measured) cost model.
    Target: <= 1.10x eager with an unlimited budget on ``mlp`` and ``transformer``. These steps
    too start from a ``gc.collect()``: full collections are not in them (see "full gc" above
-   for their cost per op).
+   for their cost per op). Each mode runs in its own Python process (``--processes`` of them
+   per mode, taking turns), as a training run would: on CPU, glibc's allocator hands freed
+   memory back to the OS or keeps it depending on the order of the process's earlier
+   allocations, and a step pays a minor page fault per 4 KiB it gets back. With the modes
+   taking turns in one process, each mode's step started from the heap the previous mode
+   left: the bench MLP's dtr steps took ~4,000 faults each after the pass-through step and
+   eager's none, while each mode alone gives eager 4,000-7,000 and dtr 0-1,400
+   (docs/runtime.md). The "faults" column shows them per step.
 
     python benchmarks/bench_runtime.py                         # both sections, appends JSON rows
-    python benchmarks/bench_runtime.py --models mlp transformer --repeats 3 --fractions 0.5 0.3
+    python benchmarks/bench_runtime.py --models mlp transformer --processes 2 --fractions 0.5 0.3
     python benchmarks/bench_runtime.py --sections small --profile   # + cProfile of the hot path
 
-Every time is the median of ``--repeats`` runs after untimed warm-up runs; the modes of one
-workload take turns run by run, so that load from other processes hits them alike. Wall and
+Every time is the median of the timed runs after untimed warm-up runs; the modes of one
+workload take turns (run by run for small ops, process by process for models), so that load
+from other processes hits them alike. Wall and
 CPU (``time.process_time``) times are both kept: on a shared machine other processes stretch
 wall time, not CPU time. PyTorch runs with ``--threads`` intra-op threads (1 by default: with
 2 threads on a 2-core machine that other work shares, OpenMP barriers make eager timings swing
@@ -44,25 +52,30 @@ the medians of the runs that finished before.
 Rows go to ``benchmarks/results/runtime.jsonl``, one JSON object per line and measurement:
 commit, machine, torch version, threads, section, model, mode, budget_bytes, median_ms,
 min_ms, cpu_ms, ratio (to eager, wall), cpu_ratio, us_per_op (extra wall time over eager per
-intercepted op), full_gc_us_per_op and us_per_op_with_full_gc (small ops), ops, evictions,
-eager_evictions, remats, remat_ms, peak_bytes, status, repeats, and the 1-minute load average.
+intercepted op), minor_faults and processes (models), full_gc_us_per_op and
+us_per_op_with_full_gc (small ops), ops, evictions, eager_evictions, remats, remat_ms,
+peak_bytes, status, repeats, and the 1-minute load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
 import os
 import pstats
+import resource
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -164,8 +177,13 @@ def time_limit(seconds: float):
 class Outcome:
     """One run: wall and CPU seconds, the engine's stats (dtr modes), or why it failed."""
 
-    def __init__(self, wall=None, cpu=None, stats=None, ops=None, status="ok") -> None:
+    def __init__(self, wall=None, cpu=None, stats=None, ops=None, status="ok", faults=None) -> None:
         self.wall, self.cpu, self.stats, self.ops, self.status = wall, cpu, stats, ops, status
+        self.faults = faults  # minor page faults during the run
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def timed(fn: Callable[[], Optional[dtr.Stats]], limit: float) -> Outcome:
@@ -173,16 +191,18 @@ def timed(fn: Callable[[], Optional[dtr.Stats]], limit: float) -> Outcome:
     gc.collect()
     try:
         with time_limit(limit):
+            faults = _minor_faults()
             start, start_cpu = time.perf_counter(), time.process_time()
             stats = fn()
             wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            faults = _minor_faults() - faults
     except RunTimeout as e:
         return Outcome(status=f"timeout after {limit:g} s ({e})" if str(e) else f"timeout after {limit:g} s")
     except dtr.OutOfBudgetError:
         return Outcome(status="OutOfBudgetError")
     except Exception as e:  # record, don't crash the benchmark
         return Outcome(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    return Outcome(wall, cpu, stats, stats.ops if stats is not None else None)
+    return Outcome(wall, cpu, stats, stats.ops if stats is not None else None, faults=faults)
 
 
 class Series:
@@ -392,13 +412,12 @@ def _trim_pstats(text: str, strip: str = "") -> str:
 # ------------------------------------------------------------------------------ models
 
 
-def model_series(name: str, fractions: List[float]) -> List[Series]:
-    """eager, pass-through, unlimited, then one series per fraction (budget set later)."""
+def model_steps(name: str) -> Dict[str, Callable]:
+    """The step of each mode for one model: ``eager``, ``passthrough``, ``dtr_unlimited``
+    (each returns the engine's stats or None), ``under(budget)`` (a step under that budget),
+    and ``count`` (the pass-through step, for counting its ops)."""
     w = build(name, "bench")
     model = w.model
-
-    def eager():
-        run_step(w, model, "eager")
 
     def passthrough():
         for p in model.parameters():
@@ -411,57 +430,87 @@ def model_series(name: str, fractions: List[float]) -> List[Series]:
     def under(budget):
         return lambda: run_step(w, model, budget).stats
 
-    series = [Series("eager", eager), Series("passthrough", passthrough), Series("dtr_unlimited", under(None))]
-    series[1].count = passthrough
-    for f in fractions:
-        s = Series(f"dtr_{f:g}x_peak", None)
-        s.fraction, s.under = f, under
-        series.append(s)
-    return series
+    return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": passthrough,
+            "dtr_unlimited": under(None), "under": under, "count": passthrough}
+
+
+def run_worker(spec: dict, args) -> None:
+    """One process's share of a model's measurement (``--worker``): untimed warm-up steps,
+    then ``--repeats`` timed steps of one mode; prints one JSON line for ``run_models``."""
+    steps = model_steps(spec["model"])
+    mode, budget = spec["mode"], spec.get("budget")
+    fn = steps["under"](budget) if budget is not None else steps[mode]
+    ops = None
+    if mode == "passthrough":
+        with CountOps() as counter:
+            steps["count"]()
+        ops = counter.ops
+    s = Series(mode, fn, budget)
+    for _ in range(args.warmup):
+        if not s.run(args.time_limit, keep=False):
+            break
+    for _ in range(args.repeats):
+        if not s.run(args.time_limit):
+            break
+    runs = [{"wall": r.wall, "cpu": r.cpu, "faults": r.faults,
+             "stats": None if r.stats is None else dataclasses.asdict(r.stats)} for r in s.runs]
+    print(json.dumps({"status": s.status, "ops": s.ops or ops, "runs": runs}))
+
+
+def _in_process(spec: dict, args, s: Series) -> None:
+    """Run ``run_worker`` for ``spec`` in a fresh Python process; add its runs to ``s``."""
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--warmup", str(args.warmup),
+           "--repeats", str(args.repeats), "--time-limit", str(args.time_limit), "--threads", str(args.threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        err = done.stderr.strip().splitlines()
+        s.status = f"worker failed: {err[-1][:120] if err else done.returncode}"
+        return
+    got = json.loads(lines[-1])
+    for r in got["runs"]:
+        stats = SimpleNamespace(**r["stats"]) if r["stats"] is not None else None
+        s.runs.append(Outcome(r["wall"], r["cpu"], stats, got["ops"], faults=r["faults"]))
+    s.ops = got["ops"] or s.ops
+    if got["status"] != "ok":
+        s.status = got["status"]
+    elif s.runs:
+        s.last = s.runs[-1]
 
 
 def run_models(args, base, out) -> None:
     print(f"\n## one training step (forward + backward), zoo 'bench' presets; "
           f"target <= {TARGET_RATIO:.2f}x eager unlimited on {' and '.join(TARGET_MODELS)}")
-    print("(ratio: median wall time / eager's; cpu ratio: the same from process CPU time; us/op: extra wall time "
-          "over eager per intercepted op)")
+    print(f"(each mode in its own process, {args.processes} processes per mode taking turns, {args.warmup} "
+          f"untimed + {args.repeats} timed steps each; ratio: median wall time / eager's; cpu ratio: the same "
+          "from process CPU time;\n us/op: extra wall time over eager per intercepted op; faults: minor page "
+          "faults per step, median)")
     print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} "
-          f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9}  status")
+          f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7}  status")
     for name in args.models:
-        every = model_series(name, args.fractions)
-        eager, unlimited, fixed = every[0], every[2], every[3:]
-        try:  # untimed: the pass-through rows' op count
-            with CountOps() as counter:
-                every[1].count()
-            every[1].ops = counter.ops
-        except Exception:
-            pass
-        # Warm up eager, pass-through and unlimited first: the budgets are fractions of the
-        # unlimited run's peak (at least one untimed unlimited run, even with --warmup 0).
-        for s in every[:3]:
-            for _ in range(max(args.warmup, 1 if s is unlimited else 0)):
-                if not s.run(args.time_limit, keep=False):
-                    break
-        for s in fixed:
-            if not unlimited.ok:
-                s.status = f"skipped (dtr_unlimited: {unlimited.status})"
-                continue
-            s.budget = int(s.fraction * unlimited.last.stats.peak_resident_bytes)
-            s.fn = s.under(s.budget)
-            for _ in range(args.warmup):
-                if not s.run(args.time_limit, keep=False):
-                    break
-        for _ in range(args.repeats):
-            for s in every:
+        eager, passthrough, unlimited = every = [Series(m, None) for m in ("eager", "passthrough", "dtr_unlimited")]
+        fixed = [Series(f"dtr_{f:g}x_peak", None) for f in args.fractions]
+        f_of = dict(zip(fixed, args.fractions))
+        for _ in range(args.processes):
+            for s in every + fixed:
+                if s in fixed and s.budget is None and s.ok:
+                    # A fraction of the unlimited run's peak, known once its first process ran.
+                    if unlimited.ok and unlimited.runs:
+                        s.budget = int(f_of[s] * statistics.median_low(r.stats.peak_resident_bytes
+                                                                       for r in unlimited.runs))
+                    else:
+                        s.status = f"skipped (dtr_unlimited: {unlimited.status})"
                 if s.ok:
-                    s.run(args.time_limit)
+                    _in_process({"model": name, "mode": s.mode, "budget": s.budget}, args, s)
+        every = every + fixed
         e_wall = eager.median("wall")
         for s in every:
             wall = s.median("wall")
             status = s.status if s.ok or not s.runs else f"{s.status} (after {len(s.runs)} runs)"
             row = {**base, "load": round(os.getloadavg()[0], 2), "section": "models", "model": name, "mode": s.mode,
-                   "budget_bytes": s.budget, "status": status, "repeats": len(s.runs), "median_ms": _r(wall, 1e3),
-                   "cpu_ms": _r(s.median("cpu"), 1e3), "ops": s.ops}
+                   "budget_bytes": s.budget, "status": status, "repeats": len(s.runs), "processes": args.processes,
+                   "median_ms": _r(wall, 1e3), "cpu_ms": _r(s.median("cpu"), 1e3), "ops": s.ops,
+                   "minor_faults": s.median("faults")}
             if s.runs:
                 row["min_ms"] = _r(min(r.wall for r in s.runs), 1e3)
             if wall is not None and e_wall:
@@ -494,7 +543,7 @@ def _model_line(row: dict) -> str:
     return (f"{row['model']:<12} {row['mode']:<16} {f('budget_bytes', '.1f', 2**-20):>10} "
             f"{f('median_ms', '.1f'):>10} {f('cpu_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('cpu_ratio', '.2f'):>9} "
             f"{f('us_per_op', '.1f'):>7} {f('ops', 'd'):>6} {f('evictions', 'd'):>6} {f('remats', 'd'):>6} "
-            f"{f('peak_bytes', '.1f', 2**-20):>9}  {row['status']}{target}")
+            f"{f('peak_bytes', '.1f', 2**-20):>9} {f('minor_faults', '.0f'):>7}  {row['status']}{target}")
 
 
 def _r(v: Optional[float], scale: float) -> Optional[float]:
@@ -510,8 +559,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.5],
                         help="budgets as fractions of the unlimited run's peak resident bytes")
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per model and mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per workload and mode first")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per model, mode and process")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="processes per model and mode (models section), taking turns")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed runs per workload and mode first (per process in the models section)")
     parser.add_argument("--small-ops", type=int, default=1000, help="forward ops per small-op loop")
     parser.add_argument("--small-repeats", type=int, default=15)
     parser.add_argument("--gc-runs", type=int, default=150,
@@ -522,9 +574,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print cProfile tables of the small-op loops")
     parser.add_argument("--profile-lines", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # run_models' child processes: JSON spec
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    if args.worker:
+        run_worker(json.loads(args.worker), args)
+        return
     base = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "threads": args.threads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
