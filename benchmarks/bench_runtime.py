@@ -31,7 +31,10 @@ Two sections (the runtime issue's benchmark):
    taking turns in one process, each mode's step started from the heap the previous mode
    left: the bench MLP's dtr steps took ~4,000 faults each after the pass-through step and
    eager's none, while each mode alone gives eager 4,000-7,000 and dtr 0-1,400
-   (docs/runtime.md). The "faults" column shows them per step.
+   (docs/runtime.md). The "faults" column shows them per step. To time dtr's own overhead
+   without them, pin glibc's thresholds for the run (no mode then faults; each row records
+   the ``MALLOC_*`` variables in ``malloc_env``):
+   ``MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 python ...``.
 
     python benchmarks/bench_runtime.py                         # both sections, appends JSON rows
     python benchmarks/bench_runtime.py --models mlp transformer --processes 2 --fractions 0.5 0.3
@@ -581,7 +584,9 @@ def main() -> None:
     if args.worker:
         run_worker(json.loads(args.worker), args)
         return
-    base = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "threads": args.threads}
+    base = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "threads": args.threads,
+            # glibc's allocator settings, when pinned: they decide the model rows' page faults
+            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")} or None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     print(f"# {base['machine']}  torch {base['torch']}  threads {args.threads}  commit {base['commit']}  "
