@@ -18,10 +18,12 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """Short hash of HEAD, with "-dirty" if tracked files differ from it."""
+    """Short hash of HEAD, with "-dirty" if tracked files differ from it, results aside (a
+    benchmark's own rows, appended by an earlier run, do not change what is measured)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                ":(top,exclude)benchmarks/results"], capture_output=True, text=True)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
