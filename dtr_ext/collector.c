@@ -20,6 +20,13 @@
 static PyObject *untrack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *o = args[i];
+        /* Never a weakref: when a weakref's referent dies in a garbage cycle, the collector
+         * moves the weakref onto its list of callbacks to call, which needs it tracked (an
+         * untracked one crashed the process). */
+        if (PyWeakref_Check(o)) {
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._collector.untrack: weakrefs must stay tracked");
+            return NULL;
+        }
         if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
     }
     Py_RETURN_NONE;
@@ -35,7 +42,8 @@ static PyObject *track(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 
 static PyMethodDef methods[] = {
     {"untrack", (PyCFunction)(void (*)(void))untrack, METH_FASTCALL,
-     "untrack(*objs): the cyclic collector stops visiting these objects (no-op for the others)."},
+     "untrack(*objs): the cyclic collector stops visiting these objects (no-op for the others; "
+     "TypeError for a weakref, which must stay tracked)."},
     {"track", (PyCFunction)(void (*)(void))track, METH_FASTCALL,
      "track(*objs): the cyclic collector visits these objects again (no-op for the others)."},
     {NULL, NULL, 0, NULL},

@@ -2,6 +2,9 @@
 nothing keeps old inputs alive."""
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -161,6 +164,50 @@ def test_records_are_kept_from_the_collector():
     assert gc.is_tracked(last)  # still in the graph at the block's end
 
 
+_WRAPPER_IN_A_CYCLE = """
+import gc, torch, dtr
+
+class Holder:
+    pass
+
+x = torch.randn(4, 4)
+with dtr.budget(None):
+    for step in range(3):
+        y = x * 2
+        hold = Holder()
+        hold.me, hold.y = hold, y  # a garbage cycle that holds a wrapper, once dropped
+        try:
+            raise ValueError(step)
+        except ValueError as e:
+            err = e  # a frame <-> traceback cycle that holds ``y`` too
+        del y, hold
+        gc.collect()
+        z = x + 1
+print("collected")
+"""
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_wrapper_dying_in_a_garbage_cycle_is_collected(pure):
+    """The collector runs a dying wrapper's weakref callback (its ``Ref``) only for a tracked
+    weakref: an untracked ``Ref`` (as 6807c0d had it) made this crash the process. Run in a
+    child process so that a crash fails this test, not the suite."""
+    env = dict(os.environ, DTR_PUREPYTHON="1" if pure else "0")
+    done = subprocess.run([sys.executable, "-c", _WRAPPER_IN_A_CYCLE], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("collected")
+
+
+def test_untrack_refuses_weakrefs():
+    class A:
+        pass
+
+    a = A()
+    with pytest.raises(TypeError, match="weakrefs must stay tracked"):
+        collector.untrack(weakref.ref(a, lambda r: None))
+
+
 # Each untracked record is in cycles only through the ``parent`` link of a storage it made
 # (Note [Untracked records]), so a record left in a cycle keeps a storage alive: checking that
 # every storage is freed checks the records too.
@@ -197,3 +244,4 @@ def test_records_of_a_block_whose_exit_failed_are_freed(storages_made, monkeypat
     assert engine.stats().evictions > 0 and _alive(storages_made)
     del held
     assert not _alive(storages_made)
+

@@ -194,8 +194,8 @@ class Runtime:
         ref.cell = cell
         self._refs[id(ref)] = ref
         cell.storage.refs += 1
-        if self._untrack is not None:
-            self._untrack(ref)  # Note [Untracked records]
+        # The ref stays tracked (Note [Untracked records]): a weakref with a callback whose
+        # referent dies in a garbage cycle is handled by the collector, which assumes it tracked.
         return ref
 
     def _on_wrapper_death(self, ref: Ref) -> None:
@@ -463,7 +463,7 @@ class Runtime:
     # A replayable record keeps four containers alive for as long as its outputs may be
     # recomputed, often a whole forward pass: the record, its input and output lists, and the
     # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
-    # its record's argument tuples), and a wrapper autograd saves keeps its ``Ref``. They outlive
+    # its record's argument tuples). They outlive
     # the collector's young generations, so every full collection visits them, and they bring
     # those collections on: ~0.6 us per object per op amortized (docs/runtime.md). With
     # ``untracked=True`` the runtime takes them out of the collector once wired (``collector``;
@@ -472,14 +472,17 @@ class Runtime:
     # dict and a forward version lead to a record's output), and the runtime clears that link
     # itself when it releases or cuts the storage (Note [Views held weakly]); for storages
     # still in the graph at ``close``, their records' containers go back to the collector
-    # there. A ``Ref`` is in a cycle only through ``_refs``, which it leaves when its wrapper
-    # dies; those still there at ``close`` go back too. A runtime left open would never be
+    # there. A runtime left open would never be
     # collected, hence the flag: the driver always closes its runtime. A storage, which every
     # record keeps too, is untracked only while it is in ``_all``: the runtime's dicts hold it
     # there, so it is not garbage; it goes back to the collector as it leaves (release, an
     # output dropped by ``_fit_outputs``) or at ``close``, so that a heuristic, a swap log or
-    # the program that still holds it may hold it in a cycle of their own, as before. Cells and
-    # wrappers stay tracked.
+    # the program that still holds it may hold it in a cycle of their own, as before. Cells,
+    # wrappers and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and
+    # when its wrapper dies in a garbage cycle the collector moves the ref onto its list of
+    # callbacks to call, which it can only do for a tracked object (an untracked one crashed
+    # the process: a training loop keeping a caught exception, whose traceback holds a
+    # wrapper, in a local; ``collector.untrack`` now refuses weakrefs).
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
@@ -1080,10 +1083,9 @@ class Runtime:
             self._outgoing.clear()
 
     def _give_back(self) -> None:
-        """Return the containers of records that still have outputs in the graph, and the
-        refs of live wrappers, to the cyclic collector (Note [Untracked records])."""
+        """Return the storages still in the graph and the containers of their records to the
+        cyclic collector (Note [Untracked records])."""
         track = collector.track
-        track(*self._refs.values())
         for s in self._all:
             track(s)
             rec = s.parent
