@@ -13,6 +13,7 @@ import torch
 import dtr
 from dtr.eager.driver import Driver
 from dtr.engine import Runtime, State, collector
+from dtr.engine.heuristics import LRU
 from dtr.testing.zoo import MODELS, build
 
 WIDTH = 32
@@ -243,5 +244,32 @@ def test_records_of_a_block_whose_exit_failed_are_freed(storages_made, monkeypat
             monkeypatch.setattr(Driver, "replay", fail)
     assert engine.stats().evictions > 0 and _alive(storages_made)
     del held
+    assert not _alive(storages_made)
+
+
+def test_a_heuristic_that_raises_on_release_leaks_nothing(storages_made):
+    """A storage leaves the graph (and goes back to the collector) before the heuristic hears
+    of its release; if the heuristic raises there, its link to its (untracked) record must
+    still be cut, or the record, the storage and the runtime stay alive for good."""
+
+    class Flaky(LRU):
+        armed = False
+
+        def on_release(self, s):
+            if Flaky.armed:
+                Flaky.armed = False
+                raise RuntimeError("on_release failed")
+            super().on_release(s)
+
+    x = torch.randn(64, 64)
+    with pytest.raises(RuntimeError, match="on_release failed"):
+        with dtr.budget(None, heuristic=Flaky()):
+            ys = [x]
+            for _ in range(10):
+                ys.append(torch.tanh(ys[-1] * 2))
+            keep = ys[-1]
+            del ys
+            Flaky.armed = True  # the block's end releases the chain's lineage
+    del keep
     assert not _alive(storages_made)
 

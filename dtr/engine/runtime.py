@@ -882,12 +882,15 @@ class Runtime:
                 self._leave_host(s)
             s.state = RELEASED
             self._leave_graph(s)
-            self._on_release(s)
             rec = s.parent
-            # Its parent lists it as an output: break that cycle so that reference counting
-            # frees both now, not the cyclic collector later (views make none: Note [Views
-            # held weakly]).
-            s.parent = None
+            try:
+                self._on_release(s)  # may read s.parent (h_DTR^eq lowers its inputs' keys)
+            finally:
+                # Its parent lists it as an output: break that cycle so that reference
+                # counting frees both now, not the cyclic collector later (views make none:
+                # Note [Views held weakly]), also if the heuristic raised: the record may be
+                # untracked (Note [Untracked records]), and ``s`` is no longer in the graph.
+                s.parent = None
             self._drop_values(s)
             s.views = ()
             if rec is not None:
@@ -1037,12 +1040,12 @@ class Runtime:
 
         Recomputation stays under the budget when the live tensors fit in it; otherwise the
         budget is lifted (the block is over, and they must all be resident from now on)."""
-        self.drain()
-        for s, n in self._pins.items():  # a block can end before a plan's backward ran
-            s.locks -= n
-        self._pins.clear()
         saved = self.budget
-        try:
+        try:  # whatever fails here (a heuristic's hook in drain), the finally ends the block
+            self.drain()
+            for s, n in self._pins.items():  # a block can end before a plan's backward ran
+                s.locks -= n
+            self._pins.clear()
             cells = []
             for ref in self.live_refs():
                 ref.cell = self.resolve(ref.cell)

@@ -195,15 +195,17 @@ class RecordingRuntime(Runtime):
         return self._call({"e": kind, "cells": [self._cid(s.root) for s in storages]}, fn, storages)
 
     def close(self) -> None:
-        self.drain()  # log the frees the program made, so that a replay's close sees the same refs
-        self._depth += 1
         try:
-            super().close()
-        finally:
-            self._depth -= 1
-            self._emit({"e": "end"})
-            self.writer.flush()
-            self._rids.clear()
+            self.drain()  # log the frees the program made, so that a replay's close sees the same refs
+        finally:  # the block ends even if that failed (Runtime.close gives back untracked records)
+            self._depth += 1
+            try:
+                super().close()
+            finally:
+                self._depth -= 1
+                self._emit({"e": "end"})
+                self.writer.flush()
+                self._rids.clear()
 
     # ------------------------------------------------------------------ helpers
 
