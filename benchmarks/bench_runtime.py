@@ -30,8 +30,8 @@ Two sections (the runtime issue's benchmark):
    allocations, and a step pays a minor page fault per 4 KiB it gets back. With the modes
    taking turns in one process, each mode's step started from the heap the previous mode
    left: the bench MLP's dtr steps took ~4,000 faults each after the pass-through step and
-   eager's none, while each mode alone gives eager 4,000-7,000 and dtr 0-1,400
-   (docs/runtime.md). The "faults" column shows them per step. To time dtr's own overhead
+   eager's none, while each mode alone gives eager 4,000-7,000 and dtr 0-1,400 (one-off
+   probes, docs/runtime.md). The "faults" column shows them per step. To time dtr's own overhead
    without them, pin glibc's thresholds for the run (no mode then faults; each row records
    the ``MALLOC_*`` variables in ``malloc_env``):
    ``MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 python ...``.
@@ -216,14 +216,12 @@ class Series:
         self.runs: List[Outcome] = []
         self.status = "ok"
         self.ops: Optional[int] = None
-        self.last: Optional[Outcome] = None
 
     def run(self, limit: float, keep: bool = True) -> bool:
         o = timed(self.fn, limit)
         if o.status != "ok":
             self.status = o.status
             return False
-        self.last = o
         if keep:
             self.runs.append(o)
         if o.ops is not None:
@@ -417,8 +415,8 @@ def _trim_pstats(text: str, strip: str = "") -> str:
 
 def model_steps(name: str) -> Dict[str, Callable]:
     """The step of each mode for one model: ``eager``, ``passthrough``, ``dtr_unlimited``
-    (each returns the engine's stats or None), ``under(budget)`` (a step under that budget),
-    and ``count`` (the pass-through step, for counting its ops)."""
+    (each returns the engine's stats or None) and ``under(budget)`` (a step under that
+    budget)."""
     w = build(name, "bench")
     model = w.model
 
@@ -434,7 +432,7 @@ def model_steps(name: str) -> Dict[str, Callable]:
         return lambda: run_step(w, model, budget).stats
 
     return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": passthrough,
-            "dtr_unlimited": under(None), "under": under, "count": passthrough}
+            "dtr_unlimited": under(None), "under": under}
 
 
 def run_worker(spec: dict, args) -> None:
@@ -446,7 +444,7 @@ def run_worker(spec: dict, args) -> None:
     ops = None
     if mode == "passthrough":
         with CountOps() as counter:
-            steps["count"]()
+            steps["passthrough"]()
         ops = counter.ops
     s = Series(mode, fn, budget)
     for _ in range(args.warmup):
@@ -477,8 +475,6 @@ def _in_process(spec: dict, args, s: Series) -> None:
     s.ops = got["ops"] or s.ops
     if got["status"] != "ok":
         s.status = got["status"]
-    elif s.runs:
-        s.last = s.runs[-1]
 
 
 def run_models(args, base, out) -> None:
@@ -491,7 +487,7 @@ def run_models(args, base, out) -> None:
     print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} "
           f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7}  status")
     for name in args.models:
-        eager, passthrough, unlimited = every = [Series(m, None) for m in ("eager", "passthrough", "dtr_unlimited")]
+        eager, _, unlimited = every = [Series(m, None) for m in ("eager", "passthrough", "dtr_unlimited")]
         fixed = [Series(f"dtr_{f:g}x_peak", None) for f in args.fractions]
         f_of = dict(zip(fixed, args.fractions))
         for _ in range(args.processes):

@@ -463,17 +463,17 @@ class Runtime:
     # A replayable record keeps four containers alive for as long as its outputs may be
     # recomputed, often a whole forward pass: the record, its input and output lists, and the
     # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
-    # its record's argument tuples). They outlive
-    # the collector's young generations, so every full collection visits them, and they bring
-    # those collections on: ~0.6 us per object per op amortized (docs/runtime.md). With
+    # its record's argument tuples). They outlive the collector's young generations, so every
+    # full collection visits them, and they bring those collections on: ~0.6 us per object
+    # per op amortized (docs/runtime.md). With
     # ``untracked=True`` the runtime takes them out of the collector once wired (``collector``;
     # a no-op without dtr_ext). Safe, because every cycle through them passes through the
     # ``parent`` link of a storage the record made (an output lists its record, a dependents
     # dict and a forward version lead to a record's output), and the runtime clears that link
     # itself when it releases or cuts the storage (Note [Views held weakly]); for storages
     # still in the graph at ``close``, their records' containers go back to the collector
-    # there. A runtime left open would never be
-    # collected, hence the flag: the driver always closes its runtime. A storage, which every
+    # there. A runtime left open would never be collected, hence the flag: the driver always
+    # closes its runtime. A storage, which every
     # record keeps too, is untracked only while it is in ``_all``: the runtime's dicts hold it
     # there, so it is not garbage; it goes back to the collector as it leaves (release, an
     # output dropped by ``_fit_outputs``) or at ``close``, so that a heuristic, a swap log or
