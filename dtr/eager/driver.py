@@ -16,6 +16,30 @@ One op (``Driver.dispatch``, the hot path):
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
 is a constant.
+
+Outputs with a sparse layout (COO, CSR, ...; ``nn.Embedding(sparse=True)``'s gradients), and
+outputs of a tensor subclass with a ``__torch_dispatch__`` of its own, are returned plain too:
+they have no storage the engine could account, evict, swap or clone without the subclass,
+only parts (indices and values; the subclass's inner tensors), and those are not charged to
+the budget, like constants. A part may be a managed input itself
+(``torch.sparse_coo_tensor(indices, values)`` keeps ``values``); that storage is then handed
+to the program as by ``dtr.materialize`` (every input, where the parts cannot be listed).
+Such tensors read by recorded ops are constants; replays then run with the subclass's
+dispatch on (replay.py).
+
+Note [Aliases]
+~~~~~~~~~~~~~~
+Recorded ops read memory the engine does not own (constants), and the program can hold
+managed memory as a plain tensor (storages handed out, EXTERNAL). A write to either must be
+seen before it happens: a recorded op that read the old data cannot be replayed afterwards
+(``Runtime.flush``), and the outputs of ops that read a handed-out storage are made permanent
+(``Runtime.before_write``). The mode sees every in-place op on the block's thread, but the
+written tensor may be an alias with an identity of its own (``x.data``, ``x.detach()``, a
+sparse tensor's ``_values()``), unknown to ``_key``: writes are matched by memory address
+too. Before that, a write through ``x.data`` of a constant, or through ``.data``,
+``.detach()`` or a sparse part of a handed-out storage, made a later replay read the new data:
+a silent wrong value (tests in test_tensors.py). A write no dispatch sees (another thread,
+numpy) is caught at replay by the version check, and only where it shares the version counter.
 """
 
 from __future__ import annotations
@@ -29,7 +53,7 @@ import torch
 from dtr.eager import rng, swap
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
-from dtr.eager.replay import Call, fill, flat, replay
+from dtr.eager.replay import Call, fill, flat, own_dispatch, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.engine import OpRecord, Runtime, State
 from dtr.engine.collector import untrack
@@ -44,6 +68,15 @@ _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
+_strided = torch.strided
+# The parts of a sparse tensor, per layout (the accessors that do not coalesce).
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 def _key(t: torch.Tensor) -> int:
@@ -69,8 +102,11 @@ class Driver:
         self.rt = runtime(budget, heuristic, self, untracked=True)
         self.estimate = estimate
         self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
+        # Memory address -> _keys of the constants over it: a write through an alias with an
+        # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
+        self.const_memory: Dict[int, set] = {}
         self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
-        self.external: Dict[int, Any] = {}  # _key -> EXTERNAL storage handed out
+        self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
         self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
@@ -312,7 +348,9 @@ class Driver:
         for (rk, is_list, _), o in pairs:
             for v in (o if is_list else (o,)):
                 if isinstance(v, _Tensor) and rk != WRITTEN and pos not in plain:
-                    if rk == VIEW:
+                    if type(v) is not _Tensor or v.layout is not _strided:
+                        self._hand_out_parts(v, inputs)  # returned plain (module docstring)
+                    elif rk == VIEW:
                         fresh.append((0, v, base_cell))
                         fresh_pos.append(pos)
                     else:
@@ -465,8 +503,12 @@ class Driver:
         about a third of the per-op cost on small ops)."""
         rt = self.rt
         try:
-            c = _returned_input(out, inputs, consts)
-            nbytes = out.untyped_storage().nbytes()
+            if type(out) is _Tensor and out.layout is _strided:
+                c = _returned_input(out, inputs, consts)
+                nbytes = out.untyped_storage().nbytes()
+            else:  # returned plain (module docstring); inputs still locked, so resident
+                self._hand_out_parts(out, inputs)
+                nbytes, c = 0, None
             if self.estimate:
                 seconds = estimate_seconds(func, args_v, kw_v, (out,))
         except BaseException:
@@ -544,6 +586,8 @@ class Driver:
             n = uses.get(key)
             if n is None:
                 uses[key] = 1
+                for p in _addresses(t) or ():
+                    self.const_memory.setdefault(p, set()).add(key)
                 if key not in self.const_bytes and t.layout is torch.strided:
                     self.const_bytes[key] = t.untyped_storage().nbytes()
             else:
@@ -553,15 +597,30 @@ class Driver:
 
     def _before_constant_write(self, tensors: List[torch.Tensor]) -> None:
         rt = self.rt
+        uses = self.const_uses
         for t in tensors:
-            key = _key(t)
-            if self.const_uses.get(key):
+            addresses = _addresses(t) or ()
+            if uses.get(_key(t)) or any(
+                uses.get(k) for p in addresses for k in self.const_memory.get(p, ())
+            ):
                 # A recorded op read this tensor; once it changes, that op cannot be replayed.
                 rt.flush()
                 return
-            s = self.external.get(key)
-            if s is not None and s.state is _EXTERNAL:
-                rt.before_write([s])
+            external = self.external
+            handed = [external[p] for p in addresses if p in external and external[p].state is _EXTERNAL]
+            if handed:
+                rt.before_write(handed)
+
+    def _hand_out_parts(self, out: torch.Tensor, inputs) -> None:
+        """Hand to the program each managed input whose storage a part of ``out`` (a sparse
+        tensor or a tensor subclass, returned plain) shares, or every input if its parts are
+        unknown: the engine must not evict or swap memory the program still reads."""
+        parts = _addresses(out)
+        for c in inputs:
+            p = c.value.untyped_storage().data_ptr()
+            if (parts is None or p in parts) and c.storage.state is not _EXTERNAL:
+                self.rt.extract(c)
+                self.external[p] = c.storage
 
     # ------------------------------------------------------------------ executor
 
@@ -633,7 +692,7 @@ class Driver:
                 finally:
                     rt.unlock([cell])
             value = rt.extract(cell)
-            self.external[_key(value)] = s
+            self.external[value.untyped_storage().data_ptr()] = s
             return value
 
     def _hook(self, leaf: torch.Tensor) -> None:
@@ -675,9 +734,34 @@ class Driver:
                     h.remove()
                 self.hooks.clear()
                 self.const_uses.clear()
+                self.const_memory.clear()
                 self.external.clear()
                 self.suspended_thread = None
             return rt.counters.rematerializations - before
+
+
+def _addresses(t: torch.Tensor) -> Optional[tuple]:
+    """Addresses of the memory ``t``'s data lives in: its storage's, its parts' for a sparse
+    layout, its inner tensors' for a subclass that lists them (``__tensor_flatten__``); none
+    for mkldnn (which copies its input); None where they cannot be known."""
+    if own_dispatch(t):
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None:
+            return None
+        found: tuple = ()
+        for name in flatten()[0]:
+            inner = _addresses(getattr(t, name))
+            if inner is None:
+                return None
+            found += inner
+        return found
+    try:
+        if t.layout is _strided:
+            return (t.untyped_storage().data_ptr(),)
+        parts = _SPARSE_PARTS.get(t.layout, ())
+        return tuple(getattr(t, name)().untyped_storage().data_ptr() for name in parts)
+    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (vmap)
+        return None
 
 
 def _returned_input(v: torch.Tensor, inputs, consts) -> Any:

@@ -22,15 +22,18 @@ from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dtr.eager import rng
 from dtr.eager.cost import estimate_seconds
 from dtr.engine import OpRecord
 from dtr.errors import DTRError
 
-__all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive"]
+__all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive", "own_dispatch"]
 
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_Tensor = torch.Tensor
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
@@ -83,6 +86,11 @@ class Call(OpRecord):
         c.rng, c.versions, c.derive, c.fresh = self.rng, self.versions, self.derive, self.fresh
         c.consts, c.clone_args = self.consts, self.clone_args
         return c
+
+
+def own_dispatch(t: torch.Tensor) -> bool:
+    """Whether ``t`` is of a tensor subclass with a ``__torch_dispatch__`` of its own."""
+    return type(t) is not _Tensor and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH
 
 
 def flat(out: Any) -> List[Any]:
@@ -148,7 +156,16 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
     under the recorded grad mode, for every kernel it calls, view derivations included.
     """
     inputs = rec.inputs
-    with _no_python_dispatch(), _below_autograd(), torch.set_grad_enabled(rec.grad):
+    consts = rec.consts
+    # Python dispatch is off, so that the replay does not enter dtr's mode again; unless a
+    # constant is a subclass that needs its own __torch_dispatch__ (without it the kernel
+    # reads a wrapper with no data: a crash), and then only the modes are set aside.
+    guard = _no_python_dispatch
+    for j in range(1, len(consts), 3):
+        if own_dispatch(consts[j]):
+            guard = _disable_current_modes
+            break
+    with guard(), _below_autograd(), torch.set_grad_enabled(rec.grad):
         clones = [clone_root(inputs[m].value) for m in range(rec.versions)]
         if rec.derive:
             deriv = rec.derive
@@ -165,7 +182,6 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
         args, kw = fill(rec.args, rec.kwargs, rec.slots, value_of)
         for i in rec.clone_args:
             args[i] = args[i].clone()
-        consts = rec.consts
         for j in range(1, len(consts), 3):
             if consts[j]._version != consts[j + 1]:
                 raise DTRError(
