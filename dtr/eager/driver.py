@@ -38,8 +38,12 @@ written tensor may be an alias with an identity of its own (``x.data``, ``x.deta
 sparse tensor's ``_values()``), unknown to ``_key``: writes are matched by memory address
 too. Before that, a write through ``x.data`` of a constant, or through ``.data``,
 ``.detach()`` or a sparse part of a handed-out storage, made a later replay read the new data:
-a silent wrong value (tests in test_tensors.py). A write no dispatch sees (another thread,
-numpy) is caught at replay by the version check, and only where it shares the version counter.
+a silent wrong value (tests in test_tensors.py); so did a write through the wrapper of a
+handed-out storage that a record read as a constant (``z = dtr.materialize(y) * 3``, then
+``y.add_``). Not matched: a write no dispatch sees (another thread, numpy), caught at replay by
+the version check only where it shares the version counter; memory a constant reaches after
+``set_`` or ``x.data = y``; the inner tensors of a subclass without ``__tensor_flatten__``;
+an overlapping view of the same memory made elsewhere (two ``from_numpy`` tensors).
 """
 
 from __future__ import annotations
@@ -83,8 +87,8 @@ def _key(t: torch.Tensor) -> int:
     """Identity of the tensor a view was taken from (itself if it is not a view).
 
     Cheaper than asking for its storage (measured: the storage lookup was a tenth of the
-    per-op cost). A write through an alias autograd does not know (``p.data``) is not matched
-    here; the version check at replay then refuses to recompute from the changed tensor.
+    per-op cost). A write through an alias with an identity of its own (``p.data``) is not
+    matched here but by memory address (Note [Aliases]).
     """
     b = t._base
     return id(t if b is None else b)
@@ -105,6 +109,7 @@ class Driver:
         # Memory address -> _keys of the constants over it: a write through an alias with an
         # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
         self.const_memory: Dict[int, set] = {}
+        self.const_addresses: Dict[int, tuple] = {}  # _key -> its addresses in const_memory
         self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
         self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
@@ -263,6 +268,10 @@ class Driver:
                     const_written.append(t)
         if const_written:
             self._before_constant_write(const_written)
+        if external_written and self._constants_at(
+            [s.root.value.untyped_storage().data_ptr() for s in external_written]
+        ):
+            rt.flush()  # the program read that memory as a constant too (Note [Aliases])
         if external_written or mutated:
             rt.before_write(external_written + mutated)
 
@@ -586,7 +595,8 @@ class Driver:
             n = uses.get(key)
             if n is None:
                 uses[key] = 1
-                for p in _addresses(t) or ():
+                addresses = self.const_addresses[key] = _addresses(t) or ()
+                for p in addresses:
                     self.const_memory.setdefault(p, set()).add(key)
                 if key not in self.const_bytes and t.layout is torch.strided:
                     self.const_bytes[key] = t.untyped_storage().nbytes()
@@ -600,9 +610,7 @@ class Driver:
         uses = self.const_uses
         for t in tensors:
             addresses = _addresses(t) or ()
-            if uses.get(_key(t)) or any(
-                uses.get(k) for p in addresses for k in self.const_memory.get(p, ())
-            ):
+            if uses.get(_key(t)) or self._constants_at(addresses):
                 # A recorded op read this tensor; once it changes, that op cannot be replayed.
                 rt.flush()
                 return
@@ -610,6 +618,11 @@ class Driver:
             handed = [external[p] for p in addresses if p in external and external[p].state is _EXTERNAL]
             if handed:
                 rt.before_write(handed)
+
+    def _constants_at(self, addresses) -> bool:
+        """Whether a live record reads a constant over memory at one of ``addresses``."""
+        uses = self.const_uses
+        return any(uses.get(k) for p in addresses for k in self.const_memory.get(p, ()))
 
     def _hand_out_parts(self, out: torch.Tensor, inputs) -> None:
         """Hand to the program each managed input whose storage a part of ``out`` (a sparse
@@ -666,6 +679,12 @@ class Driver:
                 uses[key] = n
             else:
                 del uses[key]
+                # Its id may be reused by another constant: no stale key may stay at its memory.
+                for p in self.const_addresses.pop(key, ()):
+                    keys = self.const_memory[p]
+                    keys.discard(key)
+                    if not keys:
+                        del self.const_memory[p]
         # Whatever still holds the record must not keep its constants and RNG state alive.
         rec.args = rec.consts = ()
         rec.kwargs = rec.rng = None
@@ -735,6 +754,7 @@ class Driver:
                 self.hooks.clear()
                 self.const_uses.clear()
                 self.const_memory.clear()
+                self.const_addresses.clear()
                 self.external.clear()
                 self.suspended_thread = None
             return rt.counters.rematerializations - before
@@ -757,9 +777,11 @@ def _addresses(t: torch.Tensor) -> Optional[tuple]:
         return found
     try:
         if t.layout is _strided:
-            return (t.untyped_storage().data_ptr(),)
-        parts = _SPARSE_PARTS.get(t.layout, ())
-        return tuple(getattr(t, name)().untyped_storage().data_ptr() for name in parts)
+            storages = (t.untyped_storage(),)
+        else:
+            storages = tuple(getattr(t, name)().untyped_storage() for name in _SPARSE_PARTS.get(t.layout, ()))
+        # Empty storages all sit at address 0: they hold nothing a write could change.
+        return tuple(st.data_ptr() for st in storages if st.nbytes())
     except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (vmap)
         return None
 

@@ -34,6 +34,9 @@ __all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive", "own_dispat
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _Tensor = torch.Tensor
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
@@ -86,6 +89,18 @@ class Call(OpRecord):
         c.rng, c.versions, c.derive, c.fresh = self.rng, self.versions, self.derive, self.fresh
         c.consts, c.clone_args = self.consts, self.clone_args
         return c
+
+
+@contextlib.contextmanager
+def _subclass_dispatch():
+    """Modes set aside and Python dispatch on, also where a caller had turned it off
+    (``dtr.materialize``, the block's end and ``optimizer.step()`` replay under
+    ``_DisableTorchDispatch``)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _PYTHON_KEYS
+    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(), exclude
+    ):
+        yield
 
 
 def own_dispatch(t: torch.Tensor) -> bool:
@@ -163,7 +178,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
     guard = _no_python_dispatch
     for j in range(1, len(consts), 3):
         if own_dispatch(consts[j]):
-            guard = _disable_current_modes
+            guard = _subclass_dispatch
             break
     with guard(), _below_autograd(), torch.set_grad_enabled(rec.grad):
         clones = [clone_root(inputs[m].value) for m in range(rec.versions)]
@@ -187,7 +202,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
                 raise DTRError(
                     f"dtr: cannot recompute {rec.name}: one of its inputs, a tensor created "
                     "outside the dtr.budget block, was modified in place without dtr seeing it "
-                    "(e.g. from another thread or under torch.no_grad() with .data). Modify "
+                    "(e.g. from another thread). Modify "
                     "such tensors only between blocks, or through ordinary in-place ops."
                 )
         with rng.restored(rec.rng) if rec.rng is not None else contextlib.nullcontext():
