@@ -272,4 +272,3 @@ def test_a_heuristic_that_raises_on_release_leaks_nothing(storages_made):
             Flaky.armed = True  # the block's end releases the chain's lineage
     del keep
     assert not _alive(storages_made)
-

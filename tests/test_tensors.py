@@ -356,6 +356,15 @@ def test_sparse_tensors_made_in_a_block_are_plain_and_keep_their_values(layout):
         assert torch.equal(g, e)
 
 
+def _evict_all(engine):
+    """Evict everything the engine can: the lowest budget it accepts, then no budget."""
+    try:
+        engine.budget = 1
+    except dtr.OutOfBudgetError as e:
+        engine.budget = e.needed_bytes
+    engine.budget = None
+
+
 @pytest.mark.parametrize("read", ["itself", "detach", "data"])
 def test_a_write_through_the_wrapper_reaches_what_read_its_handed_out_memory(read):
     """``p = dtr.materialize(y)`` hands ``y``'s storage out; ``z = p * 3`` reads it as a
@@ -397,15 +406,6 @@ def test_writes_to_memory_no_live_record_reads_do_not_flush():
         assert engine.stats().flushes == 0
         assert len(engine._driver.const_memory) <= 2
         del kept, z
-
-
-def _evict_all(engine):
-    """Evict everything the engine can: the lowest budget it accepts, then no budget."""
-    try:
-        engine.budget = 1
-    except dtr.OutOfBudgetError as e:
-        engine.budget = e.needed_bytes
-    engine.budget = None
 
 
 @pytest.mark.parametrize("write", ["input", "sparse"])
@@ -556,7 +556,7 @@ def test_tensor_subclass_outputs_are_plain_and_follow_writes():
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     t = TwoTensor(torch.randn(64, 64), torch.randn(64, 64))
-    t0 = TwoTensor(t.a.clone(), t.b.clone())
+    a0, b0 = t.a.clone(), t.b.clone()
 
     def step(evict_all):
         z = (x * 2) * t
@@ -568,8 +568,8 @@ def test_tensor_subclass_outputs_are_plain_and_follow_writes():
         return z, values, indices, dtr.materialize(u).clone()
 
     eager = step(lambda: None)
-    t.a.copy_(t0.a)
-    t.b.copy_(t0.b)
+    t.a.copy_(a0)
+    t.b.copy_(b0)
     with dtr.budget(None, cost="estimate") as engine:
         got = step(lambda: _evict_all(engine))
     assert engine.stats().evictions > 0

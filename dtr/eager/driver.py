@@ -598,7 +598,7 @@ class Driver:
                 addresses = self.const_addresses[key] = _addresses(t) or ()
                 for p in addresses:
                     self.const_memory.setdefault(p, set()).add(key)
-                if key not in self.const_bytes and t.layout is torch.strided:
+                if key not in self.const_bytes and t.layout is _strided:
                     self.const_bytes[key] = t.untyped_storage().nbytes()
             else:
                 uses[key] = n + 1

@@ -202,8 +202,8 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
                 raise DTRError(
                     f"dtr: cannot recompute {rec.name}: one of its inputs, a tensor created "
                     "outside the dtr.budget block, was modified in place without dtr seeing it "
-                    "(e.g. from another thread). Modify "
-                    "such tensors only between blocks, or through ordinary in-place ops."
+                    "(e.g. from another thread). Modify such tensors only between blocks, or "
+                    "through ordinary in-place ops."
                 )
         with rng.restored(rec.rng) if rec.rng is not None else contextlib.nullcontext():
             t0 = perf_counter()

@@ -464,25 +464,24 @@ class Runtime:
     # recomputed, often a whole forward pass: the record, its input and output lists, and the
     # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
     # its record's argument tuples). They outlive the collector's young generations, so every
-    # full collection visits them, and they bring those collections on: ~0.6 us per object
-    # per op amortized (docs/runtime.md). With
-    # ``untracked=True`` the runtime takes them out of the collector once wired (``collector``;
-    # a no-op without dtr_ext). Safe, because every cycle through them passes through the
-    # ``parent`` link of a storage the record made (an output lists its record, a dependents
-    # dict and a forward version lead to a record's output), and the runtime clears that link
-    # itself when it releases or cuts the storage (Note [Views held weakly]); for storages
-    # still in the graph at ``close``, their records' containers go back to the collector
-    # there. A runtime left open would never be collected, hence the flag: the driver always
-    # closes its runtime. A storage, which every
-    # record keeps too, is untracked only while it is in ``_all``: the runtime's dicts hold it
-    # there, so it is not garbage; it goes back to the collector as it leaves (release, an
-    # output dropped by ``_fit_outputs``) or at ``close``, so that a heuristic, a swap log or
-    # the program that still holds it may hold it in a cycle of their own, as before. Cells,
-    # wrappers and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and
-    # when its wrapper dies in a garbage cycle the collector moves the ref onto its list of
-    # callbacks to call, which it can only do for a tracked object (an untracked one crashed
-    # the process: a training loop keeping a caught exception, whose traceback holds a
-    # wrapper, in a local; ``collector.untrack`` now refuses weakrefs).
+    # full collection visits them, and they bring those collections on: ~0.6 us per object per
+    # op amortized (docs/runtime.md). With ``untracked=True`` the runtime takes them out of the
+    # collector once wired (``collector``; a no-op without dtr_ext). Safe, because every cycle
+    # through them passes through the ``parent`` link of a storage the record made (an output
+    # lists its record, a dependents dict and a forward version lead to a record's output), and
+    # the runtime clears that link itself when it releases or cuts the storage (Note [Views held
+    # weakly]); for storages still in the graph at ``close``, their records' containers go back
+    # to the collector there. A runtime left open would never be collected, hence the flag: the
+    # driver always closes its runtime. A storage, which every record keeps too, is untracked
+    # only while it is in ``_all``: the runtime's dicts hold it there, so it is not garbage; it
+    # goes back to the collector as it leaves (release, an output dropped by ``_fit_outputs``)
+    # or at ``close``, so that a heuristic, a swap log or the program that still holds it may
+    # hold it in a cycle of their own, as before. Cells, wrappers and their ``Ref``s stay
+    # tracked: a ``Ref`` is a weakref with a callback, and when its wrapper dies in a garbage
+    # cycle the collector moves the ref onto its list of callbacks to call, which it can only do
+    # for a tracked object (an untracked one crashed the process: a training loop keeping a
+    # caught exception, whose traceback holds a wrapper, in a local; ``collector.untrack`` now
+    # refuses weakrefs).
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
