@@ -15,8 +15,10 @@ in the middle of runtime code can never re-enter it).
 
 Invariants (checked by ``check_invariants``; cited by number in the code):
 
-1. Resident bytes ≤ budget, except inside one op: its inputs and outputs must be resident at
-   once, so ``complete`` evicts only after the outputs exist.
+1. Charged bytes (resident storages, and the gradients the program holds: ``hold``) ≤ budget,
+   except inside one op: its inputs and outputs must be resident at once. The driver makes
+   room for an op's outputs before it runs when it can tell their size (``reserve``), and
+   ``complete`` evicts after it in any case.
 2. A locked storage is never evicted or released.
 3. Every evicted storage can be recomputed: its parent record is replayable and the record's
    input storages are not released (``uses`` keeps them).
@@ -165,8 +167,21 @@ class Runtime:
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
-        self.memory = 0
+        self.memory = 0  # charged bytes: resident storages, copies out in flight, ``held``
         self.peak = 0
+        # Note [Held gradients]
+        # ~~~~~~~~~~~~~~~~~~~~~
+        # A parameter's ``.grad`` made in the block is handed to the program as a plain tensor
+        # (optimizers and DDP must never see a wrapper), so it leaves the graph; but its bytes
+        # are memory the step uses, and cannot be evicted. They stay charged, per parameter
+        # (``hold``: a new gradient of the same parameter replaces the old one's bytes), until
+        # the block ends. A gradient that existed before the block is a constant and is not
+        # charged, whatever is accumulated into it.
+        self.held: dict = {}  # key (the driver's: a parameter) -> bytes charged for it
+        self.held_bytes = 0
+        # Bytes outside the engine that the user's limit covers besides ``budget``
+        # (``dtr.budget(total=True)``); only errors report them.
+        self.outside = 0
         self.clock = 0
         self.counters = Counters()
         self.closed = False
@@ -571,6 +586,8 @@ class Runtime:
                 out = c.storage
                 out.locks += 1  # its consumer has not locked it yet: keep the fit from evicting it
                 try:
+                    if self.budget is not None:
+                        self._room_for_replay(rec)
                     self._replay(rec)
                 finally:
                     out.locks -= 1
@@ -586,6 +603,16 @@ class Runtime:
                     if f:
                         i.storage.locks -= 1
             raise
+
+    def _room_for_replay(self, rec: OpRecord) -> None:
+        """Evict for the storages a replay of ``rec`` will bring back, before it runs: their
+        sizes are known, so the replay need not pass the budget (Invariant 1)."""
+        need = 0
+        for c in rec.outputs:
+            if type(c) is Storage and c.state is EVICTED:
+                need += c.nbytes
+        if need and self.memory + need > self.budget:
+            self.reserve(need, f"{rec.name} (recomputing an evicted tensor)")
 
     def _replay(self, rec: OpRecord) -> None:
         if self.arriving:
@@ -709,7 +736,7 @@ class Runtime:
         """The size under which a storage is a last-resort candidate: 1% of the mean resident
         storage. O(1)."""
         n = len(self.resident)
-        return self.memory / (100 * n) if n else 0.0
+        return (self.memory - self.held_bytes) / (100 * n) if n else 0.0
 
     def _swap_or_evict_key(self, s: Storage, now: int) -> float:
         """With a host tier: the lower of the heuristic's score (if ``s`` can be recomputed) and
@@ -764,12 +791,18 @@ class Runtime:
                 locked += s.nbytes
             elif not s.recomputable:
                 unrecomputable += s.nbytes
-        needed = locked + unrecomputable
+        needed = locked + unrecomputable + self.held_bytes + self.outside
         detail = (
-            f"{locked} bytes are locked (inputs and outputs of the operations in flight) and "
-            f"{unrecomputable} bytes cannot be recomputed (no replayable lineage)."
+            f"{locked} bytes are locked (inputs and outputs of the operations in flight), "
+            f"{unrecomputable} bytes cannot be recomputed (no replayable lineage) and "
+            f"{self.held_bytes} bytes are gradients made in this block (charged until it ends)."
         )
-        return OutOfBudgetError(needed, target, opname, detail)
+        if self.outside:
+            detail += (
+                f" Besides, {self.outside} bytes outside the engine count against the total limit "
+                "(dtr.budget(total=True)): tensors from before the block."
+            )
+        return OutOfBudgetError(needed, target + self.outside, opname, detail)
 
     # ------------------------------------------------------------------ host tier
 
@@ -1023,13 +1056,43 @@ class Runtime:
         finally:
             self.unlock([cell])
 
-    def set_budget(self, budget: Optional[int]) -> None:
+    def reserve(self, nbytes: int, opname: str) -> None:
+        """Make room for ``nbytes`` of outputs an op is about to make (its inputs locked):
+        evict down to ``budget - nbytes``, as far as candidates allow. Best effort: where
+        nothing more can go the op runs anyway, and ``complete`` decides."""
+        if self.budget is not None and self.memory + nbytes > self.budget:
+            try:
+                self._evict_to(max(self.budget - nbytes, 0), opname)
+            except OutOfBudgetError:
+                pass
+
+    def hold(self, key: Any, nbytes: int) -> None:
+        """Charge ``nbytes`` the program holds under ``key`` (a parameter's gradient made in
+        the block) until the block ends, replacing what ``key`` held before (Note [Held
+        gradients]); evicts to fit. Raises ``OutOfBudgetError`` (charging nothing new) if the
+        rest cannot make room."""
+        old = self.held.get(key, 0)
+        self.held[key] = nbytes
+        self.held_bytes += nbytes - old
+        self.memory += nbytes - old
+        if self.memory > self.peak:
+            self.peak = self.memory
+        if nbytes > old and self.budget is not None and self.memory > self.budget:
+            try:
+                self._evict_to(self.budget, "keeping a gradient made in the block")
+            except BaseException:
+                self.held[key] = old
+                self.held_bytes -= nbytes - old
+                self.memory -= nbytes - old
+                raise
+
+    def set_budget(self, budget: Optional[int], opname: str = "set budget") -> None:
         """Change the budget, evicting at once down to it; on failure the old one stays."""
         old = self.budget
         self.budget = budget
         if budget is not None and self.memory > budget:
             try:
-                self._evict_to(budget, "set budget")
+                self._evict_to(budget, opname)
             except OutOfBudgetError:
                 self.budget = old
                 raise
@@ -1078,6 +1141,8 @@ class Runtime:
         if lowered is not None:
             lowered()
         self.memory = 0
+        self.held.clear()
+        self.held_bytes = 0
         if self.host is not None:
             self.host.handles.clear()
             self.host.by_sid.clear()
@@ -1119,7 +1184,8 @@ class Runtime:
 
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring. O(graph); for tests."""
-        memory = sum(s.nbytes for s in self._outgoing)
+        memory = sum(s.nbytes for s in self._outgoing) + self.held_bytes
+        assert self.held_bytes == sum(self.held.values()), "held bytes disagree with their keys"
         for s in self.resident:
             assert s.state is RESIDENT, f"{s} is in the resident set"
             memory += s.nbytes

@@ -66,6 +66,9 @@ class Stats:
         swap_bytes_out, swap_bytes_in: bytes moved each way (prefetches included).
         swap_stall_seconds: time the program waited for swap-ins.
         host_peak_bytes: the most bytes held in the host tier at once.
+        gradient_bytes: bytes of the ``.grad`` tensors made in the current block, or in the
+            last one if none is active: charged to the budget until their block ends, never
+            evicted (gradients that existed before the block are constants).
     """
 
     ops: int
@@ -85,6 +88,7 @@ class Stats:
     swap_bytes_in: int = 0
     swap_stall_seconds: float = 0.0
     host_peak_bytes: int = 0
+    gradient_bytes: int = 0
 
     def __str__(self) -> str:
         parts = []

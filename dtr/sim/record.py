@@ -36,6 +36,7 @@ class RecordingRuntime(Runtime):
         self._next_rid = 0
         self._pending: Optional[Tuple[Sequence[Cell], Dict[str, Any]]] = None
         self._acquired: Dict[tuple, int] = {}  # ids of acquired cells -> open acquires
+        self._reserved = 0  # bytes made room for before the op now running (its op event says so)
         writer.write({"e": "begin", "budget": budget})
 
     # ------------------------------------------------------------------ naming
@@ -109,6 +110,7 @@ class RecordingRuntime(Runtime):
             self._emit({"e": "unlock", "cells": [self._cid(c) for c in cells]})
         # else: the fast path locked these inputs itself and its kernel failed; the trace never
         # saw them locked, so there is nothing to undo in it.
+        self._reserved = 0  # the op failed: no op event will carry it
         self._call(None, super().unlock, cells)
 
     def complete(
@@ -137,6 +139,9 @@ class RecordingRuntime(Runtime):
         }
         if acquired:
             event["acquired"] = True  # its acquire was logged on its own: do not repeat it
+        if self._reserved:
+            event["reserve"] = self._reserved
+            self._reserved = 0
         outs = self._call(event, super().complete, rec, mutated, fresh, emit=False)
         event["out"] = [self._cid(c) for c in outs]
         self._emit(event)
@@ -148,6 +153,19 @@ class RecordingRuntime(Runtime):
         storages = list(storages)
         self._call({"e": "write", "cells": [self._cid(s.root) for s in storages]}, super().before_write, storages)
 
+    def reserve(self, nbytes: int, opname: str) -> None:
+        if self._depth:
+            return super().reserve(nbytes, opname)
+        # Made with the op's inputs locked, between its acquire and its completion: the op
+        # event carries it, so that a replay makes room at the same point.
+        self._reserved = nbytes
+        self._call(None, super().reserve, nbytes, opname)
+
+    def hold(self, key: Any, nbytes: int) -> None:
+        if self._depth:
+            return super().hold(key, nbytes)
+        self._call({"e": "hold", "key": key, "bytes": nbytes}, super().hold, key, nbytes)
+
     def extract(self, cell: Cell) -> Any:
         if self._depth:
             return super().extract(cell)
@@ -158,10 +176,10 @@ class RecordingRuntime(Runtime):
             return super().flush()
         self._call({"e": "flush"}, super().flush)
 
-    def set_budget(self, budget: Optional[int]) -> None:
+    def set_budget(self, budget: Optional[int], opname: str = "set budget") -> None:
         if self._depth:
-            return super().set_budget(budget)
-        self._call({"e": "budget", "budget": budget}, super().set_budget, budget)
+            return super().set_budget(budget, opname)
+        self._call({"e": "budget", "budget": budget}, super().set_budget, budget, opname)
 
     def pin(self, cells: Sequence[Cell]) -> None:
         if self._depth:

@@ -215,6 +215,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             inputs = [cell(c) for c in event["in"]]
             if not event.get("acquired"):
                 rt.acquire(inputs)
+            if "reserve" in event:
+                rt.reserve(event["reserve"], event["name"])
             rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
             mutated = [(cell(c).storage, _DATA) for c in event["mut"]]
             fresh = [(n, _DATA, None if b is None else cell(b)) for n, b in event["new"]]
@@ -245,6 +247,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.before_write([cell(c).storage for c in event["cells"]])
         elif kind == "extract":
             rt.extract(cell(event["cell"]))
+        elif kind == "hold":
+            rt.hold(event["key"], event["bytes"])
         elif kind == "flush":
             rt.flush()
         elif kind == "pin":

@@ -22,7 +22,8 @@ over a storage: its root or a view) and program references by *ref ids*.
   are root cells of storages it wrote in place (each gets a new version, first in ``out``);
   ``new`` are its other tensor outputs: a new storage of ``nbytes``, or a view of ``base``.
   ``out`` names the resulting cells. ``"acquired": true`` when the inputs were acquired by a
-  separate ``acquire`` event just before (not again by the op).
+  separate ``acquire`` event just before (not again by the op). ``"reserve": nbytes`` when
+  room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked).
 - ``{"e": "acquire", "cells": [...]}`` / ``{"e": "unlock", "cells": [...]}``: the program read
   tensors outside an op (``dtr.materialize``, a plain read); ``unlock`` also follows an op
   whose kernel failed.
@@ -32,6 +33,8 @@ over a storage: its root or a view) and program references by *ref ids*.
   to the newest version of its storage.
 - ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
+- ``{"e": "hold", "key": k, "bytes": n}``: the program holds ``n`` bytes under ``k`` (a
+  parameter's gradient made in the block), charged until the block ends (``Runtime.hold``).
 - ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
 - ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: these cells locked resident
   until unpinned (seeded runs' checkpoints before 9db1eca; they are protected now); ``{"e": "evict", "cells": [roots]}``: a plan drops
