@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from dtr.config import parse_bytes
+from dtr.eager import data_parallel
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
@@ -32,14 +33,14 @@ from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.swap import measure_bandwidth
 from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
 from dtr.engine.swap import HostTier
-from dtr.errors import DTRError
+from dtr.errors import DTRError, OutOfBudgetError
 from dtr.sim.record import RecordingRuntime
 from dtr.sim.trace import TraceWriter
 
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth")
+_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total")
 
 
 class Engine:
@@ -62,8 +63,12 @@ class Engine:
         swap: bool = False,
         host_limit: Union[int, str, None] = None,
         bandwidth: Optional[float] = None,
+        total: bool = False,
     ) -> None:
         self._budget = parse_bytes(limit)
+        if not isinstance(total, bool):
+            raise ValueError(f"dtr.budget: total must be True or False, got {total!r}")
+        self._total = total
         make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
         self._heuristic = heuristic
         if cost not in COST_MODES:
@@ -93,6 +98,8 @@ class Engine:
                           swap_bytes_out=0, swap_bytes_in=0, swap_stall_seconds=0.0)
         self._peak = 0
         self._constant_bytes = 0
+        self._largest_output = 0  # carried from block to block (Note [Room before an op])
+        self._gradient_bytes = 0  # of the last block (Stats.gradient_bytes)
 
     # ---------------------------------------------------------------- budget
 
@@ -107,10 +114,10 @@ class Engine:
         if d is not None:
             with d.rt.lock:
                 d.rt.drain()
-                d.rt.set_budget(b)
+                d.set_limit(b)
         self._budget = b
         if self._seeding is not None and d is not None:
-            self._seeding.budget = b  # plans are solved per budget (cached)
+            self._seeding.budget = d.rt.budget  # plans are solved per budget (cached)
 
     @property
     def trace(self) -> Union[str, "os.PathLike[str]", None]:
@@ -141,7 +148,20 @@ class Engine:
         runtime = Runtime
         if self._trace is not None:
             runtime = self._recorder(heuristic)
-        driver = Driver(self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime)
+        outside = None
+        if self._total and self._budget is not None:
+            outside = _cuda_allocated()
+            if outside is not None and outside > self._budget:
+                raise OutOfBudgetError(
+                    outside, self._budget, "dtr.budget(total=True) on entry",
+                    f"{outside} bytes are allocated on the GPU before the block (parameters, "
+                    "gradients, optimizer state, inputs), more than the total limit.",
+                )
+        driver = Driver(
+            self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
+            largest_output=self._largest_output, total=self._total, outside=outside,
+            constants_before=self._constant_bytes,
+        )
         if self._swap:
             bandwidth = self._bandwidth or measure_bandwidth()
             driver.rt.host = HostTier(bandwidth, self._host_limit, self._swap_log)
@@ -154,9 +174,12 @@ class Engine:
             register_optimizer_step_pre_hook(lambda opt, a, k: driver.begin_optimizer_step()),
             register_optimizer_step_post_hook(lambda opt, a, k: driver.end_optimizer_step()),
         ]
+        parallel = data_parallel.register()
+        if parallel is not None:
+            self._hooks.append(parallel)
         self._driver = driver
         if self._seeding is not None:
-            self._seeding.attach(driver, self._budget)
+            self._seeding.attach(driver, driver.rt.budget)
         self._mode = DTRMode(driver)
         self._mode.__enter__()
         _local.engine = self
@@ -183,6 +206,7 @@ class Engine:
             mode.__exit__(exc_type, exc, tb)
             if self._seeding is not None:
                 self._seeding.detach()
+            self._gradient_bytes = driver.rt.held_bytes  # the block's end stops charging them
             recomputed = driver.close()
         finally:
             if isinstance(driver.rt, RecordingRuntime):
@@ -209,6 +233,7 @@ class Engine:
             self._swap_log = host.log
             self._host_peak = max(self._host_peak, host.peak)
         self._peak = max(self._peak, driver.rt.peak)
+        self._largest_output = driver.largest_output
         self._constant_bytes = sum(driver.const_bytes.values())
 
     # ---------------------------------------------------------------- stats
@@ -218,6 +243,7 @@ class Engine:
         d = dict(self._done)
         peak, resident, constant = self._peak, 0, self._constant_bytes
         host_peak = self._host_peak
+        gradients = self._gradient_bytes
         driver = self._driver
         if driver is not None:
             rt = driver.rt
@@ -229,12 +255,14 @@ class Engine:
                 if rt.host is not None:
                     host_peak = max(host_peak, rt.host.peak)
                 constant = sum(driver.const_bytes.values())
+                gradients = rt.held_bytes
         return Stats(
             resident_bytes=resident,
             peak_resident_bytes=peak,
             constant_bytes=constant,
             budget=self._budget,
             host_peak_bytes=host_peak,
+            gradient_bytes=gradients,
             **d,
         )
 
@@ -257,6 +285,15 @@ class Engine:
     def __repr__(self) -> str:
         state = "active" if self._driver is not None else "inactive"
         return f"<dtr.Engine budget={self._budget} heuristic={self._heuristic!r} {state}>"
+
+
+def _cuda_allocated() -> Optional[int]:
+    """Bytes allocated on the current CUDA device, or None where the process has none there
+    (``dtr.budget(total=True)`` then counts the constants the block reads instead)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    allocated = torch.cuda.memory_allocated()
+    return allocated or None
 
 
 def _add_counts(totals: dict, driver: Driver) -> None:
@@ -313,6 +350,15 @@ def budget(
             engine evicts instead. Needs ``swap=True``.
         bandwidth: bytes per second of a host copy, for the swap-or-evict choice; None (the
             default) measures it once per process on the device in use.
+        total: when True, ``limit`` is the memory the whole step may use on the device, not
+            only the tensors made in the block: everything already allocated counts against it
+            (parameters, gradients, optimizer state, inputs), so "fit in 22 GiB" is one
+            argument. On CUDA that is ``torch.cuda.memory_allocated()`` as the block starts
+            (raising ``OutOfBudgetError`` if it is already over the limit); elsewhere (CPU,
+            which keeps no such count) the bytes of the tensors from before the block that its
+            ops read: from the start of a block, as many as the engine's previous block read,
+            and more as new ones are first read (in an engine's first block, only as each is
+            first read).
 
     Returns:
         An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.

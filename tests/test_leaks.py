@@ -14,6 +14,7 @@ import dtr
 from dtr.eager.driver import Driver
 from dtr.engine import Runtime, State, collector
 from dtr.engine.heuristics import LRU
+from dtr.testing.step import budget_at
 from dtr.testing.zoo import MODELS, build
 
 WIDTH = 32
@@ -24,11 +25,11 @@ def _model():
 
 
 def _budget(model):
-    """Half of one step's unconstrained peak: low enough to evict every step."""
+    """Half of what one step could evict (``budget_at``): low enough to evict every step."""
     with dtr.budget(None) as engine:
         model(torch.randn(128, WIDTH)).square().mean().backward()
     model.zero_grad()
-    return engine.stats().peak_resident_bytes // 2
+    return budget_at(engine.stats(), 0.5)
 
 
 def _tracked(engine):
@@ -104,7 +105,7 @@ def test_reference_counting_frees_what_the_engine_drops():
         with dtr.budget(None) as probe:
             w.loss_fn(w.model, w.batch).backward()
         w.model.zero_grad()
-        budget = probe.stats().peak_resident_bytes // 2
+        budget = budget_at(probe.stats(), 0.5)
         gc.collect()
         gc.disable()
         gc.set_debug(gc.DEBUG_SAVEALL)

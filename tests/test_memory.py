@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
 from dtr.testing.memory import memory_events, peak_bytes
-from dtr.testing.step import fresh_model
-from dtr.testing.zoo import build
+from dtr.testing.step import budget_at, fresh_model
+from dtr.sim.trace import load
+from dtr.testing.zoo import MODELS, build
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
 
@@ -117,3 +118,137 @@ def test_engine_accounting_is_exact_without_kernel_temporaries():
     unlimited, stats = _true_peak(w, model, None)
     assert stats.peak_resident_bytes == eager_peak
     assert unlimited == eager_peak + random_ops * RNG_STATE_BYTES
+
+
+def _profiled_step(w, model, engine):
+    """The true peak of one step in ``engine``'s block, gradients cleared to None first (PyTorch's
+    default ``zero_grad``), so that the step makes them."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with engine:
+            w.loss_fn(model, w.batch).backward()
+    return peak_bytes(memory_events(prof))
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "resnet"])
+def test_true_peak_with_gradients_made_in_the_block(name):
+    """With ``zero_grad()``'s default (``set_to_none=True``) the step makes its ``.grad``
+    tensors; they stay charged until the block ends, so the true peak stays within budget + one
+    op, as for every other storage (it used to pass the budget by the gradients)."""
+    w = build(name)
+    model = fresh_model(w)
+    largest_op, random_ops, eager_peak = _largest_working_set(w, model)
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    stats = probe.stats()
+    assert stats.gradient_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    for fraction in (0.7, 0.5):
+        budget = budget_at(stats, fraction)
+        engine = dtr.budget(budget, cost="estimate")
+        peak = _profiled_step(w, model, engine)
+        assert engine.stats().evictions > 0
+        assert peak <= budget + largest_op + random_ops * RNG_STATE_BYTES, (
+            f"{name} at {fraction:.0%}: true peak {peak} > budget {budget} + largest op {largest_op}"
+        )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_room_is_made_before_an_op_runs(name, tmp_path):
+    """From the second step of an engine on, each op's outputs are evicted for before it runs
+    (Note [Room before an op]): the engine's own count never passes the budget. The block is
+    traced and replayed by the simulator, which makes the same decisions (test_sim.py), once
+    as recorded and once without the room made before ops: that one passes the budget by an
+    op's outputs, on the models where the largest outputs come when the budget is full."""
+    w = build(name)
+    model = fresh_model(w)
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    budget = budget_at(probe.stats(), 0.5)
+    engine = dtr.budget(budget, cost="estimate")
+    _profiled_step(w, model, engine)
+    path = tmp_path / "second.jsonl"
+    engine.trace = path
+    _profiled_step(w, model, engine)
+    assert engine.stats().evictions > 0
+    assert dtr.simulate(path, budget).peak_bytes <= budget
+    trace = load(path)
+    reserved = [e for b in trace.blocks for e in b if e.pop("reserve", None)]
+    assert reserved, "no room was made before any op"
+    after_only = dtr.simulate(trace, budget)
+    if name in ("mlp", "transformer"):
+        assert after_only.peak_bytes > budget
+
+
+def test_a_budget_below_the_gradients_says_so():
+    """The bench MLP's gradients (8 x 4 MiB) take most of its peak: half the peak cannot hold
+    them, and the error says that gradients are what the budget must cover, instead of the step
+    passing the budget silently (true peak 35 MiB against 10 MiB, before gradients were
+    charged)."""
+    w = build("mlp", "bench")
+    model = fresh_model(w)
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    budget = probe.stats().peak_resident_bytes // 2
+    with pytest.raises(dtr.OutOfBudgetError, match="are gradients made in this block") as info:
+        _profiled_step(w, model, dtr.budget(budget, cost="estimate"))
+    assert info.value.budget == budget and info.value.needed_bytes > budget
+
+
+def test_total_limit_counts_the_tensors_from_before_the_block():
+    """``dtr.budget(limit, total=True)``: the parameters and the batch the step reads count
+    against the limit (on CPU: from a block's start, those its engine's previous block read),
+    so the true peak of the step's new allocations plus those tensors stays within the limit
+    plus one op's working set."""
+    w = build("mlp")
+    model = fresh_model(w)
+    largest_op, random_ops, _ = _largest_working_set(w, model)
+    before = sum(t.numel() * t.element_size() for t in [*model.parameters(), *w.batch])
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    limit = before + budget_at(probe.stats(), 0.5)
+    engine = dtr.budget(limit, cost="estimate", total=True)
+    _profiled_step(w, model, engine)  # learns which constants its steps read
+    peak = _profiled_step(w, model, engine)
+    stats = engine.stats()
+    assert stats.constant_bytes == before and stats.budget == limit and stats.evictions > 0
+    assert before + peak <= limit + largest_op + random_ops * RNG_STATE_BYTES
+    # The same limit without total=True leaves the steps all of it: they evict less.
+    plain = dtr.budget(limit, cost="estimate")
+    _profiled_step(w, model, plain)
+    _profiled_step(w, model, plain)
+    assert plain.stats().evictions < stats.evictions
+
+
+def test_total_limit_below_what_exists_already_says_so():
+    w = build("mlp")
+    model = fresh_model(w)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(dtr.OutOfBudgetError, match="outside the engine count against the total limit"):
+        _profiled_step(w, model, dtr.budget(weights // 2, total=True))
+    with pytest.raises(ValueError, match="total must be True or False"):
+        dtr.budget("1 GiB", total="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_total_limit_on_cuda_counts_memory_allocated():
+    """On CUDA everything allocated when the block starts counts (optimizer state too):
+    ``max_memory_allocated`` during the step stays within the limit plus one op's outputs."""
+    w = build("mlp")
+    model = fresh_model(w).cuda()
+    x, y = (t.cuda() for t in w.batch)
+    opt = torch.optim.Adam(model.parameters())
+    F = torch.nn.functional
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # optimizer state exists
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    limit = base + 256 * 1024
+    torch.cuda.reset_peak_memory_stats()
+    with dtr.budget(limit, cost="estimate", total=True) as engine:
+        F.cross_entropy(model(x), y).backward()
+    torch.cuda.synchronize()
+    largest = 4 * x.numel() * x.element_size()
+    assert engine.stats().evictions > 0
+    assert torch.cuda.max_memory_allocated() <= limit + largest

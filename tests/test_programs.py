@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, assume, event, example, given, settings
 
 import dtr
+from dtr.testing.step import budget_at
 
 N = 6  # square size of the initial tensors
 
@@ -411,7 +412,7 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
     # No evictions for the budget; storages the program dropped may still be evicted
     # eagerly, and recomputed before a write that would destroy their lineage.
     assert tracked.stats.evictions == 0
-    limit = int(tracked.stats.peak_resident_bytes * fraction)
+    limit = budget_at(tracked.stats, fraction)
     try:
         got = run_dtr(program, seed, limit)
     except dtr.OutOfBudgetError:

@@ -2,7 +2,9 @@
 
 The first step with an input shape profiles the segment; later steps follow the plan's first
 sweep (tapes dropped, checkpoints pinned) and leave the backward recomputations to DTR. Every
-step must still give eager's values and gradients bit for bit.
+step must still give eager's values and gradients bit for bit. Most tests zero gradients in
+place (they exist before each block): the rotor DPs do not model gradients made in the block,
+which the engine charges until it ends (dtr/eager/seeding.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dtr.planner import simulate as simulate_plan
 from dtr.planner.hints import StageHint, forward_hints
 from dtr.sim import load
 from dtr.testing import zoo
-from dtr.testing.step import fresh_model, run_step
+from dtr.testing.step import fresh_model, run_step, zero_grads
 
 
 def test_hints_of_the_papers_toy_plan():
@@ -40,7 +42,7 @@ def test_hints_of_the_papers_toy_plan():
 
 def _mlp():
     w = zoo.build("mlp", "tiny")
-    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     return w, peak
 
 
@@ -55,13 +57,13 @@ def _steps(w, model, engine, n, path=None):
 
 
 def run_step_in(w, model, engine):
-    model.zero_grad(set_to_none=True)
+    zero_grads(model.parameters(), set_to_none=False)  # the regime plans model: module docstring
     torch.manual_seed(1)
     with engine:
         loss = w.loss_fn(model, w.batch)
         loss.backward()
         loss = dtr.materialize(loss)
-    return loss, [p.grad for p in model.parameters()]
+    return loss, [p.grad.clone() for p in model.parameters()]
 
 
 def _plan_and_chain(engine):
@@ -112,7 +114,7 @@ def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
     it; at 0.4 it was six before finished stages were evicted, docs/planner.md)."""
     w = zoo.build("mlp", "bench")
     eager = run_step(w, fresh_model(w), "eager")
-    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)
     engine = dtr.budget(int(peak * 0.35), cost="estimate", plan=[model.body])
     path = tmp_path / "seeded.jsonl"
@@ -143,7 +145,10 @@ def test_a_planned_backward_stage_keeps_the_gradient_it_makes(tmp_path):
     # backward reads was not protected during that backward (211 against 176 at 0.3).
     ("transformer", lambda m: m.blocks, 0.6, 1.02),
     ("transformer", lambda m: m.blocks, 0.3, 1.02),
-    ("mlp", lambda m: m.body, 0.4, 1.02),
+    # 43 ms against 36.5 with the gradients zeroed in place (the regime these tests run in, as
+    # plans do not model gradients made in the block); within 2% when they were made in the
+    # block and left the accounting. The same 1.18x with the engine of 3cde937.
+    ("mlp", lambda m: m.body, 0.4, 1.2),
     # 28.9 ms against 25.3 (docs/planner.md, what is left); 81 ms when the held loss, a small
     # storage, was evicted before the protected ones and recomputed with the whole forward.
     ("mlp", lambda m: m.body, 0.5, 1.2),
@@ -156,7 +161,7 @@ def test_a_seeded_step_recomputes_what_its_plan_does(name, segment, fraction, bo
     transformer replayed 212 ms against the plan's 176 ms; without it, the MLP at 0.4 replayed
     58 ms against 55 (docs/planner.md)."""
     w = zoo.build(name, "bench")
-    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)
     engine = dtr.budget(int(peak * fraction), cost="estimate", plan=[segment(model)])
     run_step_in(w, model, engine)  # profiles the segment
@@ -199,8 +204,7 @@ def test_two_chained_segments_end_their_backward_cleanly():
     with engine:
         rt = engine._driver.rt
         for step in range(3):
-            for q in params:
-                q.grad = None
+            zero_grads(params, set_to_none=False)
             s2(s1(x)).pow(2).mean().backward()
             assert rt._protected_from == float("inf"), f"step {step}: protection left on"
             assert not engine._seeding._open, f"step {step}: a pass left open"
@@ -226,7 +230,7 @@ def test_a_new_input_shape_is_profiled_not_given_another_plan():
 def test_no_plan_fits_the_share_then_plain_dtr_runs_it():
     w = zoo.build("resnet", "tiny")
     eager = run_step(w, fresh_model(w), "eager")
-    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)
     engine = dtr.budget(int(peak * 0.4), cost="estimate", plan=[model.blocks])
     with pytest.warns(UserWarning, match="no plan fits"):
@@ -240,7 +244,7 @@ def test_no_plan_fits_the_share_then_plain_dtr_runs_it():
 def test_transformer_blocks_as_a_segment_match_eager():
     w = zoo.build("transformer", "tiny")
     eager = run_step(w, fresh_model(w), "eager")
-    peak = run_step(w, fresh_model(w), None, cost="estimate").stats.peak_resident_bytes
+    peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)
     engine = dtr.budget(int(peak * 0.7), cost="estimate", plan=[model.blocks])
     for loss, grads in _steps(w, model, engine, 3):

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import dtr
-from dtr.testing.step import assert_same, fresh_model, run_step
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 from dtr.testing.zoo import build
 
 
@@ -101,7 +101,7 @@ def test_grads_are_plain_and_optimizers_checkpoints_work():
     opt_d = torch.optim.AdamW(dtr_model.parameters(), lr=1e-3)
     with dtr.budget(None) as engine:
         w.loss_fn(fresh_model(w), w.batch).backward()
-    budget = engine.stats().peak_resident_bytes // 2
+    budget = budget_at(engine.stats(), 0.5)
     for step in range(3):
         torch.manual_seed(step)
         loss_e = w.loss_fn(eager_model, w.batch)
@@ -308,7 +308,7 @@ def test_sparse_gradients_train_like_eager():
         opts[name] = (torch.optim.SparseAdam([m.emb.weight]), torch.optim.Adam(m.mlp.parameters()))
     with dtr.budget(None) as engine:
         _SparseBag()(idx).backward()
-    budget = engine.stats().peak_resident_bytes // 2
+    budget = budget_at(engine.stats(), 0.7)
     for _ in range(3):
         loss_e = eager_model(idx)
         loss_e.backward()
@@ -347,7 +347,7 @@ def test_sparse_tensors_made_in_a_block_are_plain_and_keep_their_values(layout):
     s_e, eager = step()
     for w in ws:
         w.grad = None
-    with dtr.budget(6 * 32 * 32 * 4, cost="estimate") as engine:
+    with dtr.budget(14 * 32 * 32 * 4, cost="estimate") as engine:  # 8 of them are gradients
         s_d, got = step()
         assert type(s_d) is torch.Tensor and s_d.layout == s_e.layout
         assert torch.equal(s_d.to_dense(), s_e.to_dense())

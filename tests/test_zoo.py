@@ -1,11 +1,12 @@
 """Every zoo model gives eager's loss, gradients and running statistics bit for bit under
-dtr, at 100%, 70% and 50% of its unconstrained peak and at the lowest budget that runs, and
+dtr, with 100%, 70% and 50% of its unconstrained peak's evictable room (``budget_at``: the
+gradients a step makes are charged and never evicted) and at the lowest budget that runs, and
 at low budgets it really evicts and recomputes."""
 
 import pytest
 
 import dtr
-from dtr.testing.step import assert_same, fresh_model, run_step
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 from dtr.testing.zoo import MODELS, build
 
 from conftest import GuardedDTREq, Thrashing
@@ -19,11 +20,12 @@ def case(request):
     w = build(request.param)
     eager = run_step(w, fresh_model(w))
     tracked = run_step(w, fresh_model(w), None)
-    return w, eager, tracked.stats.peak_resident_bytes
+    return w, eager, tracked.stats
 
 
 def test_unlimited_budget_tracks_without_evicting(case):
-    w, eager, peak = case
+    w, eager, tracked = case
+    peak = tracked.peak_resident_bytes
     r = run_step(w, fresh_model(w), None)
     assert_same(r, eager)
     assert r.stats.evictions == 0 and r.stats.rematerializations == 0
@@ -32,22 +34,22 @@ def test_unlimited_budget_tracks_without_evicting(case):
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.5])
 def test_budget_fraction(case, fraction):
-    w, eager, peak = case
-    budget = int(peak * fraction)
+    w, eager, tracked = case
+    budget = budget_at(tracked, fraction)
     r = run_step(w, fresh_model(w), budget, cost="estimate")
     assert_same(r, eager)
     if fraction == 1.0:
         assert r.stats.evictions == 0
     else:
         assert r.stats.evictions > 0 and r.stats.rematerializations > 0
-    assert r.stats.peak_resident_bytes <= peak
+    assert r.stats.peak_resident_bytes <= tracked.peak_resident_bytes
 
 
 def test_lowest_budget_that_runs(case):
-    w, eager, peak = case
+    w, eager, tracked = case
     lowest = None
     for fraction in LADDER:
-        budget = int(peak * fraction)
+        budget = budget_at(tracked, fraction)
         try:
             r = run_step(w, fresh_model(w), budget, heuristic=GuardedDTREq(200_000), cost="estimate")
         except (dtr.OutOfBudgetError, Thrashing):
@@ -55,7 +57,7 @@ def test_lowest_budget_that_runs(case):
         assert_same(r, eager)
         lowest = (fraction, r.stats)
     if lowest is None:  # 50% (tested above) is the lowest rung that runs
-        r = run_step(w, fresh_model(w), int(peak * 0.5), cost="estimate")
+        r = run_step(w, fresh_model(w), budget_at(tracked, 0.5), cost="estimate")
         lowest = (0.5, r.stats)
     fraction, stats = lowest
     assert stats.evictions > 0 and stats.rematerializations > 0

@@ -54,14 +54,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from dtr.eager import rng, swap
+from dtr.eager import output_size, rng, swap
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
 from dtr.eager.replay import Call, fill, flat, own_dispatch, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.engine import OpRecord, Runtime, State
+from dtr.engine import Cell as _Cell
+from dtr.engine import OpRecord, Runtime, State, Storage
 from dtr.engine.collector import untrack
-from dtr.errors import DTRError
+from dtr.errors import DTRError, OutOfBudgetError
 
 __all__ = ["Driver"]
 
@@ -70,6 +72,7 @@ _EXTERNAL = State.EXTERNAL
 _VIEW = Kind.VIEW
 _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
+_COLLECTIVE = Kind.COLLECTIVE
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
 _strided = torch.strided
@@ -100,11 +103,35 @@ class Driver:
 
     views_alias_data = True  # torch views share their storage's memory
 
-    def __init__(self, budget: Optional[int], heuristic, estimate: bool, runtime=Runtime) -> None:
+    def __init__(
+        self,
+        budget: Optional[int],
+        heuristic,
+        estimate: bool,
+        runtime=Runtime,
+        largest_output: int = 0,
+        total: bool = False,
+        outside: Optional[int] = None,
+        constants_before: int = 0,
+    ) -> None:
+        # ``budget`` is the user's limit. With ``dtr.budget(total=True)`` it also covers memory
+        # the engine does not manage: ``outside`` bytes allocated on the device before the
+        # block (CUDA), or, where no allocator counts them, the constants the block reads
+        # (``count_constants``): as many as the engine's previous block read
+        # (``constants_before``), more as new ones are first read. The runtime's budget is what
+        # is left of the limit.
+        self.limit = budget
+        self.count_constants = total and outside is None
+        self.constants_before = constants_before if self.count_constants else 0
+        self.outside = self.constants_before if self.count_constants else (outside or 0)
+        managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
-        self.rt = runtime(budget, heuristic, self, untracked=True)
+        self.rt = runtime(managed, heuristic, self, untracked=True)
+        self.rt.outside = self.outside
         self.estimate = estimate
+        # The largest new storage an op of this engine made (Note [Room before an op]).
+        self.largest_output = largest_output
         self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
         # Memory address -> _keys of the constants over it: a write through an alias with an
         # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
@@ -117,6 +144,36 @@ class Driver:
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
+
+    def set_limit(self, limit: Optional[int], opname: str = "set budget") -> None:
+        """Change the user's limit: the runtime's budget becomes what is left of it beside the
+        memory outside the engine (``__init__``). Raises ``OutOfBudgetError`` and keeps the old
+        limit if the engine cannot evict down to it."""
+        outside = self.rt.outside = self.outside
+        if limit is not None and limit < outside:
+            raise OutOfBudgetError(
+                outside, limit, opname,
+                f"{outside} bytes outside the engine count against the total limit "
+                "(dtr.budget(total=True)): tensors from before the block.",
+            )
+        self.rt.set_budget(None if limit is None else limit - outside, opname)
+        self.limit = limit
+
+    def _count_new_constants(self, consts: List[torch.Tensor], opname: str) -> None:
+        """With ``count_constants``: charge constants read for the first time against the
+        limit (``__init__``), before the op runs; raises ``OutOfBudgetError`` (the op does not
+        run) if the engine cannot evict down to what is left."""
+        new = 0
+        for t in consts:
+            key = _key(t)
+            if key not in self.const_bytes and t.layout is _strided:
+                n = self.const_bytes[key] = t.untyped_storage().nbytes()
+                new += n
+        outside = max(self.constants_before, sum(self.const_bytes.values()))
+        if new and outside > self.outside:
+            self.outside = outside
+            if self.limit is not None:
+                self.set_limit(self.limit, opname)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -147,6 +204,8 @@ class Driver:
             elif kind is Kind.UNSUPPORTED:
                 self._unsupported(facts, args, kwargs)
                 return self.passthrough(func, args, kwargs)
+            elif kind is _COLLECTIVE:
+                return self._run_collective(facts, func, args, kwargs)
             if facts.simple and not kwargs:
                 return self._run_simple(facts, func, args)
             return self._run(facts, func, args, kwargs)
@@ -235,6 +294,101 @@ class Driver:
                     "get a plain tensor) inside the dtr.budget block"
                 )
 
+    def _sort_written(self, tensors, mutated: list, external_written: list, const_written: list) -> None:
+        """Sort the tensors an op is about to write: storages of this engine (``mutated``, or
+        ``external_written`` if handed out) and constants (``const_written``)."""
+        rt = self.rt
+        for t in tensors:
+            if t is None:
+                continue
+            if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
+                ref = t._dtr
+                s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
+                if s.state is _EXTERNAL:
+                    external_written.append(s)
+                elif s not in mutated:
+                    mutated.append(s)
+            else:
+                const_written.append(self._plain(t))
+
+    def _before_writes(self, mutated: list, external_written: list, const_written: list) -> None:
+        """Protect what the writes ``_sort_written`` found would destroy (Note [Aliases])."""
+        if const_written:
+            self._before_constant_write(const_written)
+        if external_written and self._constants_at(
+            [s.root.value.untyped_storage().data_ptr() for s in external_written]
+        ):
+            self.rt.flush()  # the program read that memory as a constant too (Note [Aliases])
+        if external_written or mutated:
+            self.rt.before_write(external_written + mutated)
+
+    def _run_collective(self, facts, func, args, kwargs):
+        """Run a collective (Note [Collectives] in ops.py) once, on plain values.
+
+        Its record is not replayable, so what it writes or makes cannot be evicted (a swap can
+        still move it). A collective that writes or makes tensors of this engine is waited for
+        before it returns: the engine must not swap out or hand over memory that another rank's
+        data is still landing in. One that touches only constants (DDP's gradient buckets) keeps
+        running asynchronously, as without dtr.
+        """
+        rt = self.rt
+        cells: List[Any] = []
+        originals: Dict[int, Any] = {}  # id(value passed to the kernel) -> the program's tensor
+
+        def scan(a):
+            if type(a) in (list, tuple):
+                return type(a)(scan(b) for b in a)
+            if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
+                c = a._dtr.cell = rt.resolve(a._dtr.cell)
+                cells.append(c)
+                return c
+            if isinstance(a, _Tensor):
+                a = self._plain(a)
+            return a
+
+        def fill_in(a, program):
+            if type(a) in (list, tuple):
+                return type(a)(fill_in(b, p) for b, p in zip(a, program))
+            if type(a) is _Cell or type(a) is Storage:
+                originals[id(a.value)] = program
+                return a.value
+            if isinstance(a, _Tensor):
+                originals[id(a)] = program
+            return a
+
+        mutated: List[Any] = []
+        external_written: List[Any] = []
+        const_written: List[torch.Tensor] = []
+        for pos, name in facts.written:
+            w = args[pos] if pos is not None else kwargs.get(name)
+            self._sort_written(flat_tensors(w), mutated, external_written, const_written)
+        self._before_writes(mutated, external_written, const_written)
+        targs = scan(list(args))
+        tkw = {k: scan(v) for k, v in kwargs.items()}
+        rt.acquire(cells)
+        try:
+            vals = fill_in(targs, args)
+            kw = {k: fill_in(v, kwargs[k]) for k, v in tkw.items()}
+            t0 = perf_counter()
+            out = facts.kernel(*vals, **kw)
+            fresh = [
+                (v.untyped_storage().nbytes(), v, None)
+                for v in flat_tensors(out)
+                if id(v) not in originals and type(v) is _Tensor and v.layout is _strided
+            ]
+            if mutated or fresh:
+                _wait(out)
+            seconds = perf_counter() - t0
+        except BaseException:
+            rt.unlock(cells)
+            raise
+        self.op_seconds += seconds
+        rec = OpRecord(facts.name, cells, None, seconds, False)
+        made = rt.complete(rec, [(s, s.value) for s in mutated], fresh)[len(mutated):]
+        program = {id(v): make_wrapper(v, rt, c) for (_, v, _), c in zip(fresh, made)}
+        program.update(originals)
+        return _rebuilt(out, program)
+
     def _run(self, facts, func, args, kwargs):
         rt = self.rt
         # -- writes (before scanning, so that input indices account for the old roots) ------
@@ -244,18 +398,7 @@ class Driver:
         if facts.written:
             for pos, name in facts.written:
                 w = args[pos] if pos is not None else kwargs.get(name)
-                for t in w if type(w) in (list, tuple) else (w,):
-                    if t is None:
-                        continue
-                    if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
-                        ref = t._dtr
-                        s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
-                        if s.state is _EXTERNAL:
-                            external_written.append(s)
-                        elif s not in mutated:
-                            mutated.append(s)
-                    else:
-                        const_written.append(self._plain(t))
+                self._sort_written(w if type(w) in (list, tuple) else (w,), mutated, external_written, const_written)
         elif facts.hidden_writes and (facts.training_arg is None or args[facts.training_arg]):
             for i in facts.hidden_writes:
                 t = args[i]
@@ -266,14 +409,7 @@ class Driver:
                     )
                 if t is not None:
                     const_written.append(t)
-        if const_written:
-            self._before_constant_write(const_written)
-        if external_written and self._constants_at(
-            [s.root.value.untyped_storage().data_ptr() for s in external_written]
-        ):
-            rt.flush()  # the program read that memory as a constant too (Note [Aliases])
-        if external_written or mutated:
-            rt.before_write(external_written + mutated)
+        self._before_writes(mutated, external_written, const_written)
 
         # -- scan arguments ------------------------------------------------------------------
         # A view op's record keeps no dependency edges (its outputs live and die with its
@@ -330,11 +466,18 @@ class Driver:
                 args_v, kw_v = fill(targs, tkw, slots, lambda k: inputs[k].value)
             else:
                 args_v, kw_v = targs, (tkw or {})
+            if self.count_constants and consts:
+                self._count_new_constants(consts, facts.name)
+            sized = None
+            if kind is Kind.COMPUTE and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
+                sized = self._make_room(facts, func, args_v, kw_v)
             state = rng.capture(args_v, kw_v) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
             out = facts.kernel(*args_v, **kw_v)
             seconds = perf_counter() - t0
+            if sized is not None:
+                output_size.correct(sized, out, args_v, kw_v)
         except BaseException:
             rt.unlock(inputs)
             raise
@@ -375,6 +518,8 @@ class Driver:
                             if nbytes and not (facts.placeholder and v.numel() <= 1):
                                 fresh.append((nbytes, v, None))
                                 fresh_pos.append(pos)
+                                if nbytes > self.largest_output:
+                                    self.largest_output = nbytes
                 pos += 1
         if self.estimate:
             seconds = estimate_seconds(func, args_v, kw_v, flat(out))
@@ -459,15 +604,43 @@ class Driver:
         if rt.arriving:
             rt.arrive(inputs)
         try:
+            if self.count_constants and consts:
+                self._count_new_constants(consts, facts.name)
+            budget = rt.budget
+            sized = None
+            if budget is not None and rt.memory + self.largest_output > budget:
+                sized = self._make_room(facts, func, vals, {})
             state = rng.capture(vals, {}) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
             out = facts.kernel(*vals)
             seconds = perf_counter() - t0
+            if sized is not None:
+                output_size.correct(sized, out, vals, {})
         except BaseException:
             rt.unlock(inputs)
             raise
         return self._one_output(facts, func, out, inputs, consts, targs, None, slots, state, grad, seconds, vals, {})
+
+    def _make_room(self, facts, func, args, kwargs) -> Any:
+        """Evict for the op's outputs before it runs (inputs locked), when they may not fit.
+
+        Note [Room before an op]
+        ~~~~~~~~~~~~~~~~~~~~~~~~
+        An op's outputs exist before the engine can evict for them, so enforcing the budget
+        after each op lets the peak pass it by the op's outputs; near the limit, one large
+        output (an LM head's logits) is what makes a GPU step fail. Where the headroom is at
+        least the largest output this engine has made, no op is expected to pass the budget and
+        nothing is done (the hot path's cost when the budget is far away: one comparison).
+        Otherwise the outputs' size is found first (output_size.py: the meta device, cached per
+        op and shapes) and the runtime evicts for it (``Runtime.reserve``). A first output larger
+        than any before it is not anticipated: the peak can still pass the budget by it once.
+        Returns the size's key, for the caller to correct it by what the op made.
+        """
+        key, nbytes = output_size.output_bytes(func, args, kwargs)
+        if nbytes:
+            self.rt.reserve(nbytes, facts.name)
+        return key
 
     def _run_view(self, facts, func, base: DTRTensor, args):
         """``_run`` for a view op of ``facts.one_view`` called without keyword arguments: one
@@ -530,6 +703,8 @@ class Driver:
         if not nbytes:
             rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
             return out
+        if nbytes > self.largest_output:
+            self.largest_output = nbytes
         call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
         call.rng = state
         call.fresh = _FIRST
@@ -724,8 +899,11 @@ class Driver:
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         g = param.grad
-        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is self.rt and not self.rt.closed:
-            param.grad = self.to_plain(g, for_grad=True)
+        rt = self.rt
+        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed:
+            plain = param.grad = self.to_plain(g, for_grad=True)
+            with rt.lock:  # Note [Held gradients] in runtime.py
+                rt.hold(id(param), plain.untyped_storage().nbytes())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -798,6 +976,24 @@ def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
                 "please report the op"
             )
     return None
+
+
+def _rebuilt(a, program: Dict[int, Any]):
+    """``a`` (a collective's result) with each tensor replaced by the program's object for it."""
+    if type(a) in (list, tuple):
+        return type(a)(_rebuilt(b, program) for b in a)
+    return program.get(id(a), a) if isinstance(a, _Tensor) else a
+
+
+def _wait(out) -> None:
+    """Wait until a collective's data has landed: its ``Work`` (``c10d`` ops) or each of its
+    tensors (functional collectives)."""
+    works = [w for w in (out if type(out) in (list, tuple) else (out,)) if hasattr(w, "wait")]
+    for w in works:
+        w.wait()
+    if not works:
+        for t in flat_tensors(out):
+            torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _wrapped(v, rt, cell):

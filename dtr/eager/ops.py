@@ -42,6 +42,9 @@ class Kind(enum.IntEnum):
     """Changes the view metadata of its first argument (``unsqueeze_``, ``transpose_``...)."""
     UNSUPPORTED = 5
     """Replaces a tensor's storage (``set_``, ``resize_``); not supported on managed tensors."""
+    COLLECTIVE = 6
+    """Communicates with other processes (``c10d``, functional collectives): run once, never
+    replayed (Note [Collectives])."""
 
 
 # Return kinds, one per schema return.
@@ -119,6 +122,17 @@ _HIDDEN_WRITES = {
 }
 
 _UNSUPPORTED = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::_resize_output_"}
+
+# Note [Collectives]
+# ~~~~~~~~~~~~~~~~~~
+# Ops of these namespaces talk to other ranks. Replaying one would send or wait for data that
+# no other rank sends again (a hang, or another rank's next message read as this one), so they
+# run once and nothing they write or make is recomputable. ``c10d::`` schemas declare no
+# writes, although every op of the namespace but those in ``_C10D_READ_ONLY`` writes its first
+# argument (``allreduce_`` its tensors, ``_allgather_base_`` its output, ``recv_`` its
+# buffers) and returns it; the functional collectives' schemas are right.
+_COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "_dtensor::")
+_C10D_READ_ONLY = {"c10d::send", "c10d::check_for_nan"}
 
 # Outputs that C++ code reads directly, outside dispatch (so they cannot be wrappers), by
 # position in the flattened results. They are small index tensors computed from constants.
@@ -202,7 +216,12 @@ def _compute(func) -> OpFacts:
     f.returns = tuple(returns)
     f.written = tuple(written)
 
-    if name in _UNSUPPORTED:
+    if name.startswith(_COLLECTIVE_NAMESPACES):
+        f.kind = Kind.COLLECTIVE
+        if name.startswith("c10d::") and name not in _C10D_READ_ONLY:
+            first = schema.arguments[0]
+            f.written = ((None, first.name) if first.kwarg_only else (0, None),)
+    elif name in _UNSUPPORTED:
         f.kind = Kind.UNSUPPORTED
     elif name in ("aten::detach", "aten::alias"):
         f.kind = Kind.DETACH

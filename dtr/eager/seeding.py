@@ -32,7 +32,9 @@ its end turns protection off and finishes every pass still open (two chained seg
 gradient, and its hooks fire in the first segment's favour before the second's input is done).
 Profiled sizes are the engine's: constants (parameters, a segment input made before the block)
 cost nothing, and the transient overheads are approximations (peak during the stage minus what
-it kept).
+it kept). The gradients the step holds by the end of the segment's backward (Note [Held
+gradients] in runtime.py) count as in use before the segment: the rotor DPs do not model them,
+and they cannot be evicted, so the plan gets what is left.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class _Profile:
         self.fused = [False] * stages  # stage k's output was written in place by stage k + 1
         self.input_bytes = 0
         self.before = 0  # bytes resident outside the segment when it started
+        self.held = 0  # gradient bytes held then (Note [Held gradients])
         self.stage: Optional[int] = None  # stage whose backward is running
         self.t0 = 0.0
         self.m0 = 0
@@ -254,6 +257,7 @@ class Seeding:
         if type(x) is DTRTensor and x._dtr.cell.storage.runtime is rt:
             prof.input_bytes = rt.resolve(x._dtr.cell).storage.nbytes
         prof.before = rt.memory - prof.input_bytes
+        prof.held = rt.held_bytes
 
     def _post_hook(self, seg: _Segment, k: int):
         def post(module, args, output):
@@ -483,8 +487,10 @@ class Seeding:
         prof = p.profile
         if self.driver is None or prof is None:
             return
-        with self.driver.rt.lock:
-            self._close_stage(prof, self.driver.rt)
+        rt = self.driver.rt
+        with rt.lock:
+            self._close_stage(prof, rt)
+            prof.before += rt.held_bytes - prof.held  # module docstring
             prof.storages = []
             p.profile = None
             if seg.active is p:

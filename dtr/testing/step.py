@@ -20,7 +20,7 @@ import dtr
 from dtr.engine import Stats
 from dtr.testing.zoo import Workload
 
-__all__ = ["StepResult", "run_step", "timed_step", "fresh_model", "assert_same"]
+__all__ = ["StepResult", "run_step", "timed_step", "fresh_model", "assert_same", "budget_at", "zero_grads"]
 
 
 @dataclass
@@ -42,11 +42,16 @@ def run_step(
     budget: Union[int, str, None, "dtr.Engine"] = "eager",
     *,
     seed: int = 1,
+    set_to_none: bool = True,
     **options,
 ) -> StepResult:
-    """Run one forward + backward step of ``w`` on ``model`` (see module docstring)."""
-    for p in model.parameters():
-        p.grad = None
+    """Run one forward + backward step of ``w`` on ``model`` (see module docstring).
+
+    ``set_to_none`` clears gradients as ``optimizer.zero_grad`` does: True (its default) drops
+    them, so the step makes new ones (charged to the budget until the block ends); False
+    zeroes them in place, allocating them first where missing, so they exist before the block
+    (constants, never charged)."""
+    zero_grads(model.parameters(), set_to_none)
     torch.manual_seed(seed)
     stats = None
     if budget == "eager":
@@ -62,10 +67,32 @@ def run_step(
         stats = engine.stats()
     return StepResult(
         loss,
-        [p.grad for p in model.parameters()],
+        [p.grad if set_to_none or p.grad is None else p.grad.clone() for p in model.parameters()],
         [b.detach().clone() for b in model.buffers()],
         stats,
     )
+
+
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """``optimizer.zero_grad(set_to_none)`` for ``params``; with ``set_to_none=False`` a missing
+    gradient is allocated (zeros), as a loop that zeroes in place has it from its first step."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
+        elif p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
+def budget_at(stats: Stats, fraction: float) -> int:
+    """A budget that leaves ``fraction`` of what a step could evict: the gradients the step
+    made (``stats.gradient_bytes``: charged until its block ends, never evicted) plus
+    ``fraction`` of the rest of its unconstrained peak (``stats`` of a ``dtr.budget(None)``
+    block). Tests and benchmarks size their budgets so; for tiny models whose gradients are
+    most of the peak, a plain fraction of the peak would leave nothing to evict."""
+    grads = stats.gradient_bytes
+    return grads + int((stats.peak_resident_bytes - grads) * fraction)
 
 
 def timed_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine"] = None) -> float:
