@@ -18,7 +18,7 @@ without torch. ``dtr.HAS_NATIVE`` says whether the planner's native solver is in
 from importlib import import_module
 
 from dtr.engine import Heuristic, Stats, heuristic_names, register_heuristic
-from dtr.errors import DTRError, InfeasibleBudgetError, OutOfBudgetError
+from dtr.errors import DTRError, InfeasibleBudgetError, OutOfBudgetError, ThrashingError
 
 __all__ = [
     "DTRError",
@@ -30,6 +30,7 @@ __all__ = [
     "OutOfBudgetError",
     "SimResult",
     "Stats",
+    "ThrashingError",
     "budget",
     "heuristic_names",
     "materialize",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DTRError", "OutOfBudgetError", "InfeasibleBudgetError"]
+__all__ = ["DTRError", "OutOfBudgetError", "ThrashingError", "InfeasibleBudgetError"]
 
 
 class DTRError(RuntimeError):
@@ -40,6 +40,37 @@ class OutOfBudgetError(DTRError):
 
     def __reduce__(self):
         return (type(self), (self.needed_bytes, self.budget, self.op))
+
+
+class ThrashingError(OutOfBudgetError):
+    """The budget is below what the model can run at: recomputation has cost more than
+    ``dtr.budget(..., max_recompute=...)`` times the block's own work.
+
+    Below a model's lowest workable budget DTR does not fail, it thrashes: it evicts what it
+    will need next and recomputes it over and over (minutes, or hours, for one step). The engine
+    stops that as an ``OutOfBudgetError``, so the engine and every tensor stay usable: raise the
+    budget and run the step again.
+
+    Attributes:
+        replays: operations replayed in the block so far.
+        ratio: their cost over the cost of the block's own operations.
+        budget, op: as for ``OutOfBudgetError``; ``needed_bytes`` is the budget (the error
+            says only that it is not enough).
+    """
+
+    def __init__(self, budget: int, op: str, replays: int, ratio: float) -> None:
+        self.replays = int(replays)
+        self.ratio = float(ratio)
+        detail = (
+            f"Below this budget the model thrashes: recomputing evicted tensors has cost "
+            f"{self.ratio:.1f}x the block's own operations ({self.replays} replays), more than "
+            "dtr.budget(..., max_recompute=...) allows. Raise the budget, or pass swap=True to "
+            "copy tensors to host memory instead of recomputing them."
+        )
+        super().__init__(budget, budget, op, detail)
+
+    def __reduce__(self):
+        return (type(self), (self.budget, self.op, self.replays, self.ratio))
 
 
 class InfeasibleBudgetError(ValueError):

@@ -40,7 +40,7 @@ from dtr.sim.trace import TraceWriter
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total")
+_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total", "max_recompute")
 
 
 class Engine:
@@ -64,8 +64,14 @@ class Engine:
         host_limit: Union[int, str, None] = None,
         bandwidth: Optional[float] = None,
         total: bool = False,
+        max_recompute: Optional[float] = 10.0,
     ) -> None:
         self._budget = parse_bytes(limit)
+        if max_recompute is not None and not (
+            isinstance(max_recompute, (int, float)) and not isinstance(max_recompute, bool) and max_recompute > 0
+        ):
+            raise ValueError(f"dtr.budget: max_recompute must be a positive number or None, got {max_recompute!r}")
+        self._max_recompute = max_recompute
         if not isinstance(total, bool):
             raise ValueError(f"dtr.budget: total must be True or False, got {total!r}")
         self._total = total
@@ -160,7 +166,7 @@ class Engine:
         driver = Driver(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
             largest_output=self._largest_output, total=self._total, outside=outside,
-            constants_before=self._constant_bytes,
+            constants_before=self._constant_bytes, max_recompute=self._max_recompute,
         )
         if self._swap:
             bandwidth = self._bandwidth or measure_bandwidth()
@@ -359,6 +365,10 @@ def budget(
             ops read: from the start of a block, as many as the engine's previous block read,
             and more as new ones are first read (in an engine's first block, only as each is
             first read).
+        max_recompute: stop a block whose recomputation has cost more than this many times
+            its own operations (after 1,000 replays) with ``dtr.ThrashingError``, an
+            ``OutOfBudgetError``: below its lowest workable budget a model thrashes for minutes
+            or hours instead of failing. None: never stop.
 
     Returns:
         An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.

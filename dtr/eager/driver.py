@@ -113,6 +113,7 @@ class Driver:
         total: bool = False,
         outside: Optional[int] = None,
         constants_before: int = 0,
+        max_recompute: Optional[float] = None,
     ) -> None:
         # ``budget`` is the user's limit. With ``dtr.budget(total=True)`` it also covers memory
         # the engine does not manage: ``outside`` bytes allocated on the device before the
@@ -127,7 +128,7 @@ class Driver:
         managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
-        self.rt = runtime(managed, heuristic, self, untracked=True)
+        self.rt = runtime(managed, heuristic, self, untracked=True, max_recompute=max_recompute)
         self.rt.outside = self.outside
         self.estimate = estimate
         # The largest new storage an op of this engine made (Note [Room before an op]).

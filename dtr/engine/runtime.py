@@ -40,7 +40,7 @@ from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
 from dtr.engine.swap import HostTier
 from dtr.engine.telemetry import Counters
-from dtr.errors import OutOfBudgetError
+from dtr.errors import OutOfBudgetError, ThrashingError
 
 __all__ = ["Executor", "Ref", "Runtime"]
 
@@ -104,6 +104,20 @@ def _noop(storage: Storage) -> None:
 
 
 _NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
+
+# Note [Thrashing]
+# ~~~~~~~~~~~~~~~~
+# Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
+# needs, and a step that takes a second eagerly runs for minutes or hours (a child-sum TreeLSTM
+# at half its peak ran for 50 minutes; a GRUCell loop at 0.3 took 17.7). The runtime compares
+# the cost of its replays with the cost of the block's own ops (``work``, the same measure) and
+# raises ``ThrashingError``, an ``OutOfBudgetError``, once the ratio passes ``max_recompute``
+# (``dtr.budget``'s default: 10; the DTR paper's curves stay under 3x above their knee). Not
+# before ``_THRASH_REPLAYS`` replays: early in a block the work is small and a few replays
+# would pass any ratio. The check sits where a replay is counted, so it costs nothing per op.
+# Raising there unwinds like any failure in a rematerialization (locks released, evictions
+# kept), and ``close`` lifts the budget, so nothing is left half done.
+_THRASH_REPLAYS = 1000
 _weak = weakref.ref
 _Weak = weakref.ReferenceType
 
@@ -151,12 +165,22 @@ class Runtime:
         executor: replays records (see ``Executor``).
         untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
             the caller must then ``close()`` the runtime.
+        max_recompute: raise ``ThrashingError`` once replays have cost more than this many
+            times the block's own ops (Note [Thrashing]); None: never.
     """
 
     def __init__(
-        self, budget: Optional[int], heuristic: Heuristic, executor: Executor, *, untracked: bool = False
+        self,
+        budget: Optional[int],
+        heuristic: Heuristic,
+        executor: Executor,
+        *,
+        untracked: bool = False,
+        max_recompute: Optional[float] = None,
     ) -> None:
         self.budget = budget
+        self.max_recompute = max_recompute
+        self.work = 0.0  # cost of the ops completed in the block (not replays)
         self.heuristic = heuristic
         self._score = heuristic.score
         self._on_evict = getattr(heuristic, "on_evict", _noop)
@@ -378,6 +402,7 @@ class Runtime:
         """
         try:
             now = self.clock = self.clock + 1
+            self.work += rec.cost
             outs: List[Optional[Cell]] = []
             new: List[Storage] = []
             for s, value in mutated:
@@ -644,8 +669,16 @@ class Runtime:
         for s in rec.use_storages:
             s.last_access = now
         if added:  # re-deriving a view of a resident storage is not a rematerialization
-            self.counters.rematerializations += 1
-            self.counters.remat_cost += cost
+            c = self.counters
+            c.rematerializations += 1
+            c.remat_cost += cost
+            if (
+                self.max_recompute is not None
+                and c.rematerializations >= _THRASH_REPLAYS
+                and c.remat_cost > self.max_recompute * self.work
+                and self.budget is not None
+            ):
+                raise ThrashingError(self.budget, rec.name, c.rematerializations, c.remat_cost / (self.work or 1e-12))
         if self.memory > self.peak:
             self.peak = self.memory
         if added and self.budget is not None and self.memory > self.budget:

@@ -1,0 +1,59 @@
+"""Thrashing is an error, not a hang (Note [Thrashing] in dtr/engine/runtime.py).
+
+Below its lowest workable budget a model thrashes: the tiny TreeLSTM at a tenth of its
+evictable room ran for 44 s of replays and then raised ``OutOfBudgetError`` (the LSTMCell loop
+at 0.3: 71 s); a child-sum TreeLSTM of a hundred nodes at half its peak ran for 50 minutes.
+``dtr.budget``'s ``max_recompute`` stops the block once its replays cost ten times its own
+operations, with an error that says what to do, and leaves the engine usable.
+"""
+
+import time
+
+import pickle
+
+import pytest
+
+import dtr
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
+from dtr.testing.zoo import build
+
+
+def test_a_thrashing_step_stops_with_a_clear_error_and_the_engine_stays_usable():
+    w = build("treelstm")
+    eager = run_step(w, fresh_model(w))
+    tracked = run_step(w, fresh_model(w), None).stats
+    model = fresh_model(w)
+    engine = dtr.budget(budget_at(tracked, 0.1), cost="estimate")
+    t0 = time.perf_counter()
+    with pytest.raises(dtr.ThrashingError, match="Below this budget the model thrashes") as info:
+        run_step(w, model, engine)
+    assert time.perf_counter() - t0 < 20  # 44 s of replays without the bound, on the same VM
+    e = info.value
+    assert isinstance(e, dtr.OutOfBudgetError) and e.budget == engine.budget
+    assert e.replays >= 1000 and e.ratio > 10
+    assert "swap=True" in str(e) and "Raise the budget" in str(e)
+    engine.budget = budget_at(tracked, 0.5)  # what the error says to do
+    again = run_step(w, model, engine)
+    assert_same(again, eager)
+    assert engine.stats().rematerializations > e.replays
+
+
+def test_max_recompute_bounds_what_it_says():
+    """A lower bound stops the same run sooner; None never stops it (here a run that ends)."""
+    w = build("treelstm")
+    tracked = run_step(w, fresh_model(w), None).stats
+    budget = budget_at(tracked, 0.3)
+    with pytest.raises(dtr.ThrashingError) as info:
+        run_step(w, fresh_model(w), budget, cost="estimate", max_recompute=2.0)
+    assert 2.0 < info.value.ratio < 10
+    r = run_step(w, fresh_model(w), budget_at(tracked, 0.7), cost="estimate", max_recompute=None)
+    assert r.stats.rematerializations > 0
+    for bad in (0, -1.0, "10", True):
+        with pytest.raises(ValueError, match="max_recompute"):
+            dtr.budget(None, max_recompute=bad)
+
+
+def test_thrashing_error_pickles():
+    e = dtr.ThrashingError(1 << 20, "aten.mm.default", 1234, 12.5)
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is dtr.ThrashingError and str(back) == str(e) and back.replays == 1234
