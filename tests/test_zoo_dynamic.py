@@ -1,0 +1,116 @@
+"""The zoo's dynamic models (``zoo.DYNAMIC``, issue 18: TreeLSTMs over batches of random trees,
+GRU/LSTM cell loops with masking and early exit, ``nn.GRU``, ``nn.LSTM`` over a
+``PackedSequence``) at their "tiny" presets give eager's loss and gradients bit for bit with no
+budget and under budgets that evict (``budget_at``: 70% and 50% of the evictable room of their
+unconstrained peak, ``cost="estimate"`` so that eviction decisions are deterministic).
+
+Known failures are marked ``xfail(strict=True)`` rather than left out, so that they show in every
+run and turn into failures to look at once the engine handles them:
+
+- at 50%, every dynamic model's tiny step raises ``OutOfBudgetError`` (``ThrashingError`` for
+  most: replays pass ``max_recompute`` times the step's own work; for the others a replay whose
+  locked inputs and outputs do not fit). Not diagnosed further; it is consistent with what the
+  README describes for the TreeLSTM: autograd accumulates out of place for tensor subclasses,
+  so each use of a shared weight (and each ``x[:, t]`` of the embedded input) adds an
+  accumulator recomputable only through the ones before it; in the tiny TreeLSTM's step the
+  weight-gradient ``mm``s and their ``add``s are about 60% of the bytes the step allocates.
+- at 70%, ``lstm_packed`` raises ``OutOfBudgetError`` while recomputing an evicted tensor (an
+  ``aten.add``: its locked inputs and outputs alone exceed the budget).
+- ``pad_packed_sequence`` fails under any ``dtr.budget``, ``None`` included: its C++ kernel
+  allocates its ``lengths`` output with ``at::empty`` (which the mode turns into a wrapper with
+  no data) and writes it through a raw pointer. ``build("lstm_packed", pool=True)`` is the zoo
+  model that needs it.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtr
+from dtr.testing import zoo
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
+
+# (model, fraction) pairs that fail today; see the module docstring.
+KNOWN_FAILURES = {(name, 0.5) for name in zoo.DYNAMIC} | {("lstm_packed", 0.7)}
+
+
+@pytest.fixture(scope="module", params=zoo.DYNAMIC)
+def case(request):
+    w = zoo.build(request.param)
+    eager = run_step(w, fresh_model(w))
+    tracked = run_step(w, fresh_model(w), None)
+    return w, eager, tracked.stats
+
+
+def test_names():
+    assert zoo.MODELS == ("mlp", "cnn", "resnet", "transformer", "lstm", "lstmcell", "treelstm")
+    assert zoo.DYNAMIC == ("treelstm_batch", "treelstm_nary", "gru_cell", "lstm_cell_masked", "gru", "lstm_packed")
+    assert set(zoo.PRESETS) == set(zoo.MODELS) | set(zoo.DYNAMIC)
+    for name in zoo.DYNAMIC:
+        assert set(zoo.PRESETS[name]) == {"tiny", "bench"}
+
+
+def test_unlimited_budget_matches_eager(case):
+    w, eager, tracked = case
+    r = run_step(w, fresh_model(w), None)
+    assert_same(r, eager)
+    assert r.stats.evictions == 0 and r.stats.rematerializations == 0
+    assert r.stats.peak_resident_bytes == tracked.peak_resident_bytes > r.stats.gradient_bytes > 0
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_budget_fraction(case, fraction, request):
+    w, eager, tracked = case
+    if (w.name, fraction) in KNOWN_FAILURES:
+        request.applymarker(
+            pytest.mark.xfail(raises=dtr.OutOfBudgetError, strict=True, reason="thrashes or runs out of budget; see module docstring")
+        )
+    r = run_step(w, fresh_model(w), budget_at(tracked, fraction), cost="estimate")
+    assert_same(r, eager)
+    assert r.stats.evictions > 0 and r.stats.rematerializations > 0
+    assert r.stats.peak_resident_bytes <= tracked.peak_resident_bytes
+
+
+@pytest.mark.parametrize("name", ["gru_cell", "lstm_cell_masked"])
+@pytest.mark.parametrize("size", ["tiny", "bench"])
+def test_cell_loops_stop_at_the_longest_sequence(name, size):
+    w = zoo.build(name, size)
+    tokens, lengths, _ = w.batch
+    assert int(lengths.max()) < tokens.shape[1]  # the early exit is taken
+    calls = []
+    w.model.cell.register_forward_hook(lambda *_: calls.append(1))
+    if size == "tiny":
+        with torch.no_grad():
+            w.model(tokens, lengths)
+        assert len(calls) == int(lengths.max())
+
+
+@pytest.mark.parametrize("name", zoo.DYNAMIC)
+def test_bench_presets_build(name):
+    w = zoo.build(name, "bench")
+    cfg = zoo.PRESETS[name]["bench"]
+    if name == "treelstm_batch":
+        assert len(w.batch[0]) == cfg["trees"]
+        assert all(cfg["nodes"][0] <= len(children) <= cfg["nodes"][1] for _, children in w.batch[0])
+    elif name == "treelstm_nary":
+        assert all(cfg["leaves"][0] <= len(tokens) <= cfg["leaves"][1] for tokens, _ in w.batch[0])
+    assert sum(p.numel() for p in w.model.parameters()) > 1_000_000
+
+
+@pytest.mark.xfail(strict=True, reason="pad_packed_sequence writes an at::empty made under the mode via a raw pointer")
+def test_pad_packed_sequence():
+    w = zoo.build("lstm_packed", pool=True)
+    eager = run_step(w, fresh_model(w))
+    assert_same(run_step(w, fresh_model(w), None), eager)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="the same failure, without a model")
+def test_pad_packed_sequence_minimal():
+    """The smallest case of the failure above: no model, no budget, no gradients."""
+    x = torch.randn(3, 5, 2)
+    lengths = torch.tensor([5, 2, 3])
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    expected, _ = nn.utils.rnn.pad_packed_sequence(packed, batch_first=True)
+    with dtr.budget(None):
+        out, _ = nn.utils.rnn.pad_packed_sequence(packed, batch_first=True)
+    assert torch.equal(dtr.materialize(out), expected)
