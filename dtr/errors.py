@@ -59,15 +59,18 @@ class ThrashingError(OutOfBudgetError):
     """
 
     def __init__(self, budget: int, op: str, replays: int, ratio: float) -> None:
+        self.needed_bytes = self.budget = int(budget)
+        self.op = op
         self.replays = int(replays)
         self.ratio = float(ratio)
-        detail = (
-            f"Below this budget the model thrashes: recomputing evicted tensors has cost "
-            f"{self.ratio:.1f}x the block's own operations ({self.replays} replays), more than "
-            "dtr.budget(..., max_recompute=...) allows. Raise the budget, or pass swap=True to "
-            "copy tensors to host memory instead of recomputing them."
+        DTRError.__init__(
+            self,
+            f"dtr: {op}: the budget of {_fmt(self.budget)} is below what this model can run at: "
+            f"recomputing evicted tensors has cost {self.ratio:.1f}x the block's own operations "
+            f"({self.replays} replays), more than dtr.budget(..., max_recompute=...) allows. "
+            "Raise the budget (engine.budget = ...), or pass swap=True to copy tensors to host "
+            "memory instead of recomputing them, then run the step again.",
         )
-        super().__init__(budget, budget, op, detail)
 
     def __reduce__(self):
         return (type(self), (self.budget, self.op, self.replays, self.ratio))

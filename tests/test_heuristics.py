@@ -104,7 +104,9 @@ def test_trains_with_eager_gradients(name, model):
     w = zoo.build(model, "tiny")
     eager = run_step(w, fresh_model(w), "eager")
     tracked = run_step(w, fresh_model(w), None).stats
-    got = run_step(w, fresh_model(w), budget_at(tracked, 0.5), heuristic=name)
+    # max_recompute=None: the weaker heuristics may recompute over ten times the step's work;
+    # here only their gradients are checked.
+    got = run_step(w, fresh_model(w), budget_at(tracked, 0.5), heuristic=name, max_recompute=None)
     assert_same(got, eager)
     assert got.stats.evictions > 0 and got.stats.rematerializations > 0
 
