@@ -106,6 +106,7 @@ class Engine:
         self._constant_bytes = 0
         self._largest_output = 0  # carried from block to block (Note [Room before an op])
         self._gradient_bytes = 0  # of the last block (Stats.gradient_bytes)
+        self._constants_counted = 0  # total=True on CPU: what the last block counted
 
     # ---------------------------------------------------------------- budget
 
@@ -157,16 +158,18 @@ class Engine:
         outside = None
         if self._total and self._budget is not None:
             outside = _cuda_allocated()
-            if outside is not None and outside > self._budget:
+            before = self._constants_counted if outside is None else outside
+            if before > self._budget:
                 raise OutOfBudgetError(
-                    outside, self._budget, "dtr.budget(total=True) on entry",
-                    f"{outside} bytes are allocated on the GPU before the block (parameters, "
-                    "gradients, optimizer state, inputs), more than the total limit.",
+                    before, self._budget, "dtr.budget(total=True) on entry",
+                    f"{before} bytes exist before the block (parameters, gradients, optimizer "
+                    "state, inputs: on CUDA all it has allocated, elsewhere the tensors the "
+                    "engine's last block read), more than the total limit.",
                 )
         driver = Driver(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
             largest_output=self._largest_output, total=self._total, outside=outside,
-            constants_before=self._constant_bytes, max_recompute=self._max_recompute,
+            constants_before=self._constants_counted, max_recompute=self._max_recompute,
         )
         if self._swap:
             bandwidth = self._bandwidth or measure_bandwidth()
@@ -240,6 +243,7 @@ class Engine:
             self._host_peak = max(self._host_peak, host.peak)
         self._peak = max(self._peak, driver.rt.peak)
         self._largest_output = driver.largest_output
+        self._constants_counted = max(self._constants_counted, sum(driver.counted.values()))
         self._constant_bytes = sum(driver.const_bytes.values())
 
     # ---------------------------------------------------------------- stats

@@ -1,5 +1,7 @@
 """The public API's contract: budgets, errors, stats, and recovery after a failure."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -230,3 +232,26 @@ def test_batch_norm_running_stats_updated_once():
     r = run_step(w, fresh_model(w), budget_at(tracked, 1 / 3), cost="estimate")
     assert r.stats.rematerializations > 0
     assert_same(r, eager)  # buffers include running_mean, running_var, num_batches_tracked
+
+
+def test_create_graph_keeps_the_gradient_graph():
+    """A gradient penalty through ``.grad`` (``backward(create_graph=True)``): the gradient
+    keeps its graph, as in eager (a plain copy dropped it: the penalty contributed nothing)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def step():
+        w.grad = None
+        torch.tanh(x @ w).sum().backward(create_graph=True)
+        penalty = (w.grad ** 2).sum()
+        w.grad = None
+        ((x @ w).sum() + penalty).backward()
+        return w.grad.detach().clone()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning about backward(create_graph=True)
+        ref = step()
+        with dtr.budget(None):
+            got = dtr.materialize(step())
+    assert torch.equal(got, ref)

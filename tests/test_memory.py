@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtr
 from dtr.testing.memory import memory_events, peak_bytes
 from dtr.testing.step import budget_at, fresh_model
+from dtr.eager import output_size
+from dtr.eager.ops import facts_for
 from dtr.sim.trace import load
 from dtr.testing.zoo import MODELS, build
 
@@ -252,3 +254,43 @@ def test_total_limit_on_cuda_counts_memory_allocated():
     largest = 4 * x.numel() * x.element_size()
     assert engine.stats().evictions > 0
     assert torch.cuda.max_memory_allocated() <= limit + largest
+
+
+def test_total_limit_counts_a_constant_once_whatever_alias_reads_it():
+    """``w.detach()`` or ``w.data`` is a new tensor object over the same memory: counted once."""
+    w, x = torch.randn(512, 512), torch.randn(8, 512)
+    with dtr.budget("6MB", total=True, cost="estimate") as engine:
+        h = x
+        for _ in range(8):
+            h = torch.tanh(h @ (w.detach() if _ % 2 else w.data))
+    assert engine._driver is None and engine.stats().evictions == 0
+
+
+def test_total_limit_refusal_leaves_nothing_counted():
+    """An op refused because the constant it reads first does not fit is refused again when
+    retried, instead of running past the limit (the constant was left counted, the budget not
+    lowered)."""
+    w1, w2, x = torch.randn(512, 512), torch.randn(512, 512), torch.randn(8, 512)
+    with dtr.budget("1500KB", total=True, cost="estimate"):
+        x @ w1
+        for _ in range(2):
+            with pytest.raises(dtr.OutOfBudgetError, match="outside the engine"):
+                x @ w2
+
+
+def test_only_aten_ops_with_new_tensors_are_sized_on_meta():
+    """Output sizes come from a meta run (Note [Room before an op]) of aten ops that return new
+    tensors only: other namespaces' kernels may be Python with side effects (a profiler range,
+    a print), which a meta run would repeat."""
+    assert facts_for(torch.ops.aten.mm.default).sized
+    assert facts_for(torch.ops.aten.native_dropout.default).sized
+    assert not facts_for(torch.ops.aten.add_.Tensor).sized  # writes, makes nothing new
+    assert not facts_for(torch.ops.aten.t.default).sized  # a view
+    assert not facts_for(torch.ops.aten._print.default).sized
+    assert not facts_for(torch.ops.profiler._record_function_enter_new.default).sized
+
+
+def test_output_sizes_tell_scalars_of_other_types_apart():
+    full = torch.ops.aten.full.default
+    sizes = [output_size.output_bytes(full, ((1000,), v), {})[1] for v in (1.0, 1, True)]
+    assert sizes == [4000, 8000, 1000]

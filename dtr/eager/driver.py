@@ -125,6 +125,7 @@ class Driver:
         self.count_constants = total and outside is None
         self.constants_before = constants_before if self.count_constants else 0
         self.outside = self.constants_before if self.count_constants else (outside or 0)
+        self.counted: Dict[int, int] = {}  # storage address -> bytes of the constants counted
         managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
@@ -164,17 +165,28 @@ class Driver:
         """With ``count_constants``: charge constants read for the first time against the
         limit (``__init__``), before the op runs; raises ``OutOfBudgetError`` (the op does not
         run) if the engine cannot evict down to what is left."""
-        new = 0
-        for t in consts:
-            key = _key(t)
-            if key not in self.const_bytes and t.layout is _strided:
-                n = self.const_bytes[key] = t.untyped_storage().nbytes()
-                new += n
-        outside = max(self.constants_before, sum(self.const_bytes.values()))
-        if new and outside > self.outside:
+        counted = self.counted
+        new = []
+        for t in consts:  # by storage: aliases (w.detach(), w.data) are one constant
+            if t.layout is _strided:
+                st = t.untyped_storage()
+                p = st.data_ptr()
+                if p not in counted:
+                    counted[p] = st.nbytes()
+                    new.append(p)
+        if not new:
+            return
+        before = self.outside
+        outside = max(self.constants_before, sum(counted.values()))
+        if outside > before and self.limit is not None:
             self.outside = outside
-            if self.limit is not None:
+            try:
                 self.set_limit(self.limit, opname)
+            except BaseException:  # the op does not run: as if they had not been read
+                self.outside = self.rt.outside = before
+                for p in new:
+                    del counted[p]
+                raise
 
     # ------------------------------------------------------------------ dispatch
 
@@ -470,7 +482,7 @@ class Driver:
             if self.count_constants and consts:
                 self._count_new_constants(consts, facts.name)
             sized = None
-            if kind is Kind.COMPUTE and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
+            if facts.sized and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
                 sized = self._make_room(facts, func, args_v, kw_v)
             state = rng.capture(args_v, kw_v) if facts.random else None
             grad = torch.is_grad_enabled()
@@ -609,7 +621,7 @@ class Driver:
                 self._count_new_constants(consts, facts.name)
             budget = rt.budget
             sized = None
-            if budget is not None and rt.memory + self.largest_output > budget:
+            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
                 sized = self._make_room(facts, func, vals, {})
             state = rng.capture(vals, {}) if facts.random else None
             grad = torch.is_grad_enabled()
@@ -901,7 +913,9 @@ class Driver:
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         g = param.grad
         rt = self.rt
-        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed:
+        # A gradient with a graph (backward(create_graph=True)) stays the engine's: a plain copy
+        # would drop the graph a gradient penalty differentiates through.
+        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed and g.grad_fn is None:
             plain = param.grad = self.to_plain(g, for_grad=True)
             with rt.lock:  # Note [Held gradients] in runtime.py
                 rt.hold(id(param), plain.untyped_storage().nbytes())

@@ -74,6 +74,7 @@ class OpFacts:
         "placeholder",
         "simple",
         "one_view",
+        "sized",
     )
 
     def __init__(self, func) -> None:
@@ -97,6 +98,10 @@ class OpFacts:
         self.placeholder = False  # returns uninitialized memory (see _PLACEHOLDERS)
         self.simple = False  # the common case: writes nothing, returns one new tensor
         self.one_view = False  # a view op returning one view of its only tensor argument
+        # Its output sizes may be found on the meta device before it runs (output_size.py):
+        # an aten op returning a new tensor. Other namespaces' kernels may be Python code with
+        # side effects (printing, profiler ranges), which a meta run would repeat.
+        self.sized = False
 
     def __repr__(self) -> str:
         return f"OpFacts({self.name}, {self.kind.name})"
@@ -254,6 +259,7 @@ def _compute(func) -> OpFacts:
                 f"dtr: {f.name} returns views of several arguments or mixes views with new "
                 "tensors; please report this op"
             )
+    f.sized = f.kind is Kind.COMPUTE and name.startswith("aten::") and any(k == FRESH for k, _, _ in f.returns)
     if f.kind is Kind.VIEW:
         f.one_view = f.returns == ((VIEW, False, (f.view_of, None)),) and not any(
             _holds_tensors(a.type) for i, a in enumerate(schema.arguments) if i != f.view_of

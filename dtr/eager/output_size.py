@@ -63,8 +63,12 @@ def correct(key, out, args, kwargs) -> None:
 def _signature(a):
     if isinstance(a, _Tensor):
         return (a.shape, a.dtype, a.layout)
-    if type(a) in (list, tuple):
+    t = type(a)
+    if t in (list, tuple):
         return tuple(_signature(b) for b in a)
+    if t is float or t is int or t is bool:
+        # 1, 1.0 and True are equal keys, but give outputs of other dtypes; NaN equals nothing.
+        return (t, a) if a == a else (t, "nan")
     return a
 
 

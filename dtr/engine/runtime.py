@@ -1243,7 +1243,7 @@ class Runtime:
                 assert s.value is not None, f"{s} is {s.state.name} but its root is undefined"
             if s.refs == 0 and s.uses == 0:
                 raise AssertionError(f"{s} is unreferenced and unused but was not released")
-            if s.state is not RESIDENT:
+            if s.state is EVICTED or s.state is SWAPPED:  # Invariant 5 (handed-out ones keep theirs)
                 for w in s.views:
                     c = w()
                     assert c is None or c.value is None, f"a view of {s} is defined"

@@ -56,8 +56,8 @@ class DTRTrainer(transformers.Trainer):
             ``dtr.Engine``, used as it is (its statistics then add up with its other uses).
             Required, so that a forgotten budget does not silently train untracked.
         dtr_options: keyword options for ``dtr.budget`` (``heuristic``, ``cost``, ``trace``,
-            ``plan``, ``swap``, ``host_limit``, ``bandwidth``). Not allowed together with an
-            engine, which already has its options.
+            ``plan``, ``swap``, ``host_limit``, ``bandwidth``, ``total``, ``max_recompute``).
+            Not allowed together with an engine, which already has its options.
         *args, **kwargs: passed to ``transformers.Trainer``.
 
     Attributes:
