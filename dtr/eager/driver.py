@@ -9,13 +9,16 @@ One op (``Driver.dispatch``, the hot path):
 3. before an in-place op, protect what its writes would destroy: a written constant that a
    recorded op reads forces a flush; a written storage without lineage has its dependents
    made permanent (``Runtime.before_write``);
-4. ``runtime.acquire`` the inputs (rematerializing as needed), run the kernel and time it;
+4. ``runtime.acquire`` the inputs (rematerializing as needed), make room for the outputs when
+   the budget is close (Note [Room before an op]), run the kernel and time it;
 5. ``runtime.complete`` the record (new storages, views, new versions), which evicts down to
    the budget;
 6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects.
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
-is a constant.
+is a constant. Collectives take a path of their own (``_run_collective``, Note [Collectives] in
+ops.py), and a parameter's ``.grad`` made in the block is handed out plain but stays charged
+(``_on_grad_accumulated``, Note [Held gradients] in runtime.py).
 
 Outputs with a sparse layout (COO, CSR, ...; ``nn.Embedding(sparse=True)``'s gradients), and
 outputs of a tensor subclass with a ``__torch_dispatch__`` of its own, are returned plain too:
