@@ -7,8 +7,6 @@ at 0.3: 71 s); a child-sum TreeLSTM of a hundred nodes at half its peak ran for 
 operations, with an error that says what to do, and leaves the engine usable.
 """
 
-import time
-
 import pickle
 
 import pytest
@@ -24,10 +22,8 @@ def test_a_thrashing_step_stops_with_a_clear_error_and_the_engine_stays_usable()
     tracked = run_step(w, fresh_model(w), None).stats
     model = fresh_model(w)
     engine = dtr.budget(budget_at(tracked, 0.1), cost="estimate")
-    t0 = time.perf_counter()
     with pytest.raises(dtr.ThrashingError, match="is below what this model can run at") as info:
         run_step(w, model, engine)
-    assert time.perf_counter() - t0 < 20  # 44 s of replays without the bound, on the same VM
     e = info.value
     assert isinstance(e, dtr.OutOfBudgetError) and e.budget == engine.budget
     assert e.replays >= 1000 and e.ratio > 10
