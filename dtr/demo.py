@@ -42,7 +42,7 @@ def main(argv=None) -> None:
                 loss.backward()
                 loss = dtr.materialize(loss)
         opts[kind].step()
-        opts[kind].zero_grad(set_to_none=False)
+        opts[kind].zero_grad()  # PyTorch's default: each step makes its gradients, charged to the budget
         return loss.item()
 
     # Size the budget from one tracked step of a throwaway copy.
