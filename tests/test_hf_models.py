@@ -1,6 +1,7 @@
-"""Real outside models beyond GPT-2: Hugging Face BERT, Llama and ViT, each built from a tiny
-config (no download), one training step with dropout on where the config has it, under a budget
-of half the step's peak. Loss and every gradient must be bit for bit eager's."""
+"""Real outside models: Hugging Face GPT-2, BERT, Llama and ViT, each built from a tiny config
+(no download), one training step with dropout on where the config has it, under a budget of
+half the step's peak. Loss and every gradient must be bit for bit eager's, and tied weights
+(GPT-2's and BERT's embeddings and output layer) stay tied."""
 
 import copy
 
@@ -10,6 +11,17 @@ import torch
 import dtr
 
 transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(attn):
+    config = transformers.GPT2Config(
+        attn_implementation=attn,
+        vocab_size=256, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 256, (4, 64))
+    return model, dict(input_ids=ids, labels=ids)
 
 
 def _bert(attn):
@@ -50,7 +62,7 @@ def _vit(attn):
     return model, dict(pixel_values=torch.randn(4, 3, 32, 32), labels=torch.randint(0, 10, (4,)))
 
 
-MODELS = {"bert": _bert, "llama": _llama, "vit": _vit}
+MODELS = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit}
 # "sdpa" (the default) runs attention, its dropout included, as one fused op; "eager" spells it
 # out as matmul, softmax, dropout, matmul: different ops for the engine to record and replay.
 ATTENTION = ("sdpa", "eager")
@@ -95,3 +107,9 @@ def test_training_step_matches_eager(model_and_batch):
     for (name, p), q in zip(m.named_parameters(), eager.parameters()):
         assert type(p.grad) is torch.Tensor, name
         assert torch.equal(p.grad, q.grad), name
+    assert _tied(m) == _tied(model)
+
+
+def _tied(model) -> bool:
+    out = model.get_output_embeddings()
+    return out is not None and out.weight is model.get_input_embeddings().weight

@@ -263,7 +263,7 @@ def test_total_limit_counts_a_constant_once_whatever_alias_reads_it():
         h = x
         for _ in range(8):
             h = torch.tanh(h @ (w.detach() if _ % 2 else w.data))
-    assert engine._driver is None and engine.stats().evictions == 0
+    assert engine.stats().evictions == 0  # it ran: before, the sixth read raised
 
 
 def test_total_limit_refusal_leaves_nothing_counted():
