@@ -21,8 +21,11 @@ class FakeExecutor:
     def __init__(self):
         self.replays = 0
         self.forgotten = 0
+        # Records whose constants are gone (Runtime.retire), by id; held so no id is reused.
+        self.retired = {}
 
     def replay(self, rec):
+        assert id(rec) not in self.retired, f"{rec.name} was retired and replayed"
         self.replays += 1
         return rec.payload([c.value for c in rec.inputs]), rec.cost
 
@@ -207,6 +210,21 @@ class RuntimeMachine(RuleBasedStateMachine):
         except OutOfBudgetError:
             pass
 
+    @rule(a=handles)
+    def retire(self, a):
+        """What a storage was computed from is freed (FSDP2 resharding): its parent op never
+        runs again, and every handle must still read its value (checked at teardown)."""
+        if a is None:
+            return
+        s = self.cell(a).storage
+        rec = s.parent
+        try:
+            self.rt.retire([s])
+        except OutOfBudgetError:
+            return
+        if rec is not None:
+            self.ex.retired[id(rec)] = rec
+
     @invariant()
     def invariants(self):
         self.rt.drain()
@@ -226,3 +244,39 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 RuntimeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestRuntime = RuntimeMachine.TestCase
+
+
+def _op(rt, inputs, nbytes, name, keep):
+    """Run one op of ``nbytes`` on ``inputs``; its cell, held by a handle kept in ``keep``."""
+    rec = OpRecord(name, inputs, lambda vals: [(name, tuple(vals))], cost=1.0)
+    rt.acquire(inputs)
+    (c,) = rt.complete(rec, [], [(nbytes, (name, tuple(i.value for i in inputs)), None)])
+    h = Handle(c.value)
+    h.ref = rt.track(h, c)
+    keep[name] = h
+    return c
+
+
+def test_a_dead_storage_without_lineage_keeps_its_dependents_evictable():
+    """``x`` lost its lineage (a flush) and dies while ``t = f(x)`` may need it: ``t`` stays
+    recomputable, so writing ``t`` in place later costs nothing, and an 8-byte op fits in a
+    16-byte budget by evicting. Cutting ``t`` instead (as after FSDP2 frees parameters,
+    ``Runtime.retire``) would make ``u = g(t)`` permanent at the write: out of budget."""
+    rt = Runtime(None, make_heuristic("dtr_eq"), FakeExecutor())
+    keep = {}
+    x = _op(rt, [], 8, "x", keep)
+    rt.flush()
+    t = _op(rt, [x], 8, "t", keep)
+    u = _op(rt, [t], 8, "u", keep)
+    rt.evict([u])
+    del keep["x"]
+    gc.collect()
+    rt.drain()
+    assert t.storage.recomputable
+    rt.set_budget(16)
+    rt.before_write([t.storage])
+    rt.acquire([t])
+    rt.complete(OpRecord("t+=1", [t], lambda v: [("inc", v[0])], cost=1.0), [(t.storage, ("inc", t.value))], [])
+    _op(rt, [], 8, "w", keep)
+    rt.check_invariants()
+    rt.close()

@@ -7,6 +7,8 @@ as sequences of storage ids, which both runs allocate in the same order.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gzip
 import json
 import warnings
@@ -208,3 +210,41 @@ def test_recording_a_failed_step_keeps_the_engine_usable(tmp_path):
     assert any(e.get("error") == "out of budget" for e in events)
     assert any(e["e"] == "budget" for e in events)
     assert dtr.simulate(path, None).feasible
+
+
+def test_simulation_repeats_retired_ops(tmp_path):
+    """Ops that read memory about to be freed (FSDP2 resharding a layer's parameters after its
+    forward: ``Driver.before_constants_freed``) are retired in the real run and in its trace's
+    simulation alike; gradients stay eager's."""
+    from dtr.testing.distributed import tanh_mlp
+
+    torch.manual_seed(0)
+    model = tanh_mlp(width=64, depth=6)
+    x, target = torch.randn(128, 64), torch.randint(0, 10, (128,))
+
+    def step(engine=None):
+        m = copy.deepcopy(model)
+
+        def resharded(layer, args, out):
+            if engine is not None:
+                engine._driver.before_constants_freed([layer.weight, layer.bias])
+
+        handle = m[0].register_forward_hook(resharded)
+        with engine if engine is not None else contextlib.nullcontext():
+            torch.nn.functional.cross_entropy(m(x), target).backward()
+        handle.remove()
+        return [p.grad for p in m.parameters()]
+
+    eager = step()
+    probe = dtr.budget(None, cost="estimate")
+    step(probe)
+    limit = int(0.8 * probe.stats().peak_resident_bytes)
+
+    def run(limit, heuristic, trace):
+        grads = step(dtr.budget(limit, cost="estimate", heuristic=heuristic, trace=trace))
+        assert all(torch.equal(a, b) for a, b in zip(eager, grads))
+
+    feasible, real, sim, simulated = record_and_simulate(run, limit, tmp_path / "t.jsonl")
+    assert feasible and sim.feasible and real
+    assert simulated == real
+    assert any(e["e"] == "retire" for e in load(tmp_path / "t.jsonl").blocks[0])

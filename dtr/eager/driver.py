@@ -52,8 +52,9 @@ an overlapping view of the same memory made elsewhere (two ``from_numpy`` tensor
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from time import perf_counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -937,6 +938,51 @@ class Driver:
     def end_optimizer_step(self) -> None:
         self.suspended_thread = None
 
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Run the ops inside on plain values, unrecorded, on this thread: a library's own
+        management of parameters and gradients (FSDP2's gathers and reductions) is not
+        activations, and its buffers must stay plain tensors."""
+        before = self.suspended_thread
+        self.suspended_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.suspended_thread = before
+
+    def before_constants_freed(self, tensors: List[torch.Tensor]) -> None:
+        """Call before the memory of these constants is freed by their owner (FSDP2 resharding
+        its gathered parameters): no recorded op that reads it may run again
+        (``Runtime.retire``). Raises ``OutOfBudgetError`` (changing nothing) if what must be
+        kept does not fit."""
+        memory = self.const_memory
+        keys = {k for t in tensors for p in _addresses(t) or () for k in memory.get(p, ())}
+        if not keys:
+            return
+        rt = self.rt
+        with rt.lock, _no_python_dispatch():
+            rt.drain()
+            reading = [
+                s for s in rt.storages() if type(s.parent) is Call and not keys.isdisjoint(s.parent.consts[::3])
+            ]
+            rt.retire(reading)
+
+    def hold_gradient(self, key: torch.Tensor, grads: List[Optional[torch.Tensor]]) -> None:
+        """Charge ``grads`` (plain tensors, or DTensors counted by their local shard) under
+        ``key``'s identity in place of what it held (Note [Held gradients] in runtime.py): a
+        library that moves a gradient elsewhere (FSDP2 reducing it to its shard) says so here."""
+        nbytes = 0
+        for g in grads:
+            if g is not None:
+                local = g.to_local() if hasattr(g, "to_local") else g
+                # Its own bytes: FSDP2's sharded gradients are views into one flat buffer per
+                # parameter group, which would be charged once per parameter by storage.
+                nbytes += local.numel() * local.element_size()
+        rt = self.rt
+        if nbytes or id(key) in rt.held:
+            with rt.lock:
+                rt.hold(id(key), nbytes)
+
     def close(self) -> int:
         """End of block. Returns how many ops had to be replayed to define live tensors."""
         rt = self.rt
@@ -1021,6 +1067,8 @@ def _wrapped(v, rt, cell):
 
 def _original_writes(facts, args, kwargs, out):
     returns = facts.returns
+    if not returns:  # ``-> ()``: an op writing a list of ``out=`` tensors
+        return out
     if len(returns) == 1:
         rk, _, key = returns[0]
         if rk == WRITTEN:

@@ -221,6 +221,8 @@ class Runtime:
         # Prefetched storages whose copy may still be landing -> the executor's pending handle:
         # every read of their values goes through ``arrive`` first (Note [Arrival]).
         self.arriving: dict = {}
+        # Outputs of ops that ``retire`` ended (their inputs' memory was freed by its owner).
+        self._retired: "weakref.WeakSet[Storage]" = weakref.WeakSet()
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
@@ -278,6 +280,18 @@ class Runtime:
                     return
             self._evict(s)
             self.counters.eager_evictions += 1
+        elif s.state is RESIDENT and s.dependents and s in self._retired:
+            # It cannot be recomputed (FSDP2 freed the parameters it was made from: ``retire``)
+            # and is kept only for its dependents' replays. When they are resident and no
+            # larger, making them permanent instead frees it now: a layer's pre-activation
+            # goes, its activation, saved for backward anyway, stays. Only for retired ops:
+            # a permanent dependent written in place later makes its own dependents permanent
+            # (``before_write``), which can cost more than keeping ``s``; after FSDP2 freed the
+            # parameters, keeping ``s`` would hold a layer's outputs until its backward.
+            deps = list(s.dependents)
+            if sum(t.nbytes for t in deps) <= s.nbytes and all(t.state is RESIDENT and not t.locks for t in deps):
+                for t in deps:
+                    self.cut(t)
 
     # ------------------------------------------------------------------ versions
 
@@ -372,6 +386,39 @@ class Runtime:
         for s in storages:
             if s.uses and not s.recomputable:
                 self._make_permanent([t.root for t in s.dependents])
+
+    def retire(self, storages: Iterable[Storage]) -> None:
+        """Call before memory that the parent ops of ``storages`` read, and the engine does not
+        own, is freed (FSDP2 freeing gathered parameters): those ops can never run again.
+
+        Every storage the program references whose rematerialization could replay one of them
+        is made resident and permanent first; one it does not reference passes the duty on to
+        its dependents. Unreferenced storages then lose their last uses and are released, so
+        no record that reads the freed memory stays alive. Cheaper than ``flush`` by what does
+        not depend on the freed memory, which keeps its lineage. Raises ``OutOfBudgetError``
+        (changing nothing) if the storages made permanent do not fit together.
+        """
+        retired = list(dict.fromkeys(s.parent for s in storages if s.parent is not None))
+        roots: List[Storage] = []
+        swapped: List[Storage] = []
+        seen = set()
+        # Every output of a retired op, not only those passed: none can be recomputed after.
+        stack = [o for rec in retired for o in rec.outputs if type(o) is Storage]
+        while stack:
+            s = stack.pop()
+            if s in seen or s.state is RELEASED:
+                continue
+            seen.add(s)
+            if s.refs > 0:
+                (swapped if s.state is SWAPPED else roots).append(s)
+            elif s.dependents:
+                stack.extend(s.dependents)
+        self._make_permanent(roots)
+        for s in swapped:  # its data is safe on the host: no need to bring it back
+            self.cut(s)
+        for rec in retired:  # whatever still lists it can never need it (see above)
+            rec.replayable = False
+        self._retired.update(o for rec in retired for o in rec.outputs if type(o) is Storage)
 
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""

@@ -153,6 +153,12 @@ class RecordingRuntime(Runtime):
         storages = list(storages)
         self._call({"e": "write", "cells": [self._cid(s.root) for s in storages]}, super().before_write, storages)
 
+    def retire(self, storages: Iterable[Storage]) -> None:
+        if self._depth:
+            return super().retire(storages)
+        storages = list(storages)
+        self._call({"e": "retire", "cells": [self._cid(s.root) for s in storages]}, super().retire, storages)
+
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:
             return super().reserve(nbytes, opname)

@@ -245,6 +245,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             cells[event["to"]] = rt.resolve(cell(event["cell"]))
         elif kind == "write":
             rt.before_write([cell(c).storage for c in event["cells"]])
+        elif kind == "retire":
+            rt.retire([cell(c).storage for c in event["cells"]])
         elif kind == "extract":
             rt.extract(cell(event["cell"]))
         elif kind == "hold":

@@ -32,6 +32,8 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "resolve", "cell": cid, "to": cid}``: a tensor written in place elsewhere was moved
   to the newest version of its storage.
 - ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
+- ``{"e": "retire", "cells": [...]}``: the parent ops of these storages (roots) can never run
+  again: memory they read is about to be freed (FSDP2 resharding, ``Runtime.retire``).
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
 - ``{"e": "hold", "key": k, "bytes": n}``: the program holds ``n`` bytes under ``k`` (a
   parameter's gradient made in the block), charged until the block ends (``Runtime.hold``).

@@ -6,12 +6,12 @@ for ``tests/test_distributed.py`` and ``benchmarks/bench_distributed.py``.
 - ``init_gloo`` joins a process group through a file, so that no TCP port is chosen and
   concurrent runs cannot collide.
 - ``train_step`` runs one optimizer step (gradient accumulation over micro-batches, all but
-  the last under DDP's ``no_sync``), inside an engine's block or not, and returns the
+  the last without gradient sync), inside an engine's block or not, and returns the
   gradients and the parameters it produced and its time; ``differences`` and ``mismatches``
   compare two such steps or runs bit for bit.
-- ``ddp_worker`` and ``fsdp2_worker`` are the tests' workers: each trains a model eagerly and
-  under dtr in the same process, on the same per-rank data, and saves both runs' snapshots to
-  files for the parent to compare. They live here rather than in the test module so that the
+- ``worker`` is the tests': per ``Case`` (DDP or FSDP2, and their options) it trains a model
+  eagerly and under dtr in the same process, on the same per-rank data, and saves both runs'
+  snapshots to files for the parent to compare. They live here rather than in the test module so that the
   spawned processes can import them whatever pytest's import mode.
 """
 
@@ -20,11 +20,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,8 @@ __all__ = [
     "differences",
     "mismatches",
     "tanh_mlp",
-    "DDPCase",
-    "ddp_worker",
-    "fsdp2_worker",
+    "Case",
+    "worker",
     "fully_shard_api",
 ]
 
@@ -118,8 +118,8 @@ def train_step(
     """One optimizer step of ``model``.
 
     Gradients are zeroed first (``set_to_none``), then accumulated over ``micro_batches``
-    inside ``engine``'s block when one is given; every micro-batch but the last runs under
-    ``model.no_sync()`` (DDP's gradient accumulation). The RNG is seeded so that an eager
+    inside ``engine``'s block when one is given; every micro-batch but the last runs without
+    gradient sync (``_no_sync``). The RNG is seeded so that an eager
     step and a dtr step draw the same dropout masks. ``sync`` waits for the device (CUDA)
     before each clock reading. ``snapshot=False`` copies nothing, for steps whose memory is
     measured (a copy of the gradients would be most of their peak).
@@ -130,7 +130,7 @@ def train_step(
     torch.manual_seed(seed)
     with engine if engine is not None else nullcontext():
         for i, mb in enumerate(micro_batches):
-            with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            with _no_sync(model) if i < len(micro_batches) - 1 else nullcontext():
                 loss_fn(model, mb).backward()
     sync()
     seconds = time.perf_counter() - t0
@@ -141,6 +141,21 @@ def train_step(
     sync()
     seconds += time.perf_counter() - t0
     return Step(grads, [_local(p) for p in model.parameters()] if snapshot else None, seconds)
+
+
+@contextmanager
+def _no_sync(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation without communication: DDP's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync(False)``."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def differences(
@@ -227,45 +242,17 @@ def _worker_setup(rank: int, world_size: int, store: Path) -> None:
 
 
 @dataclass
-class DDPCase:
-    """One DDP configuration trained eagerly and under dtr (see ``ddp_worker``)."""
+class Case:
+    """One data-parallel configuration trained eagerly and under dtr (see ``worker``)."""
 
     name: str
-    ddp_kwargs: Dict[str, Any] = field(default_factory=dict)
+    parallel: str = "ddp"  # "ddp": DistributedDataParallel; "fsdp2": fully_shard per layer and root
+    options: Dict[str, Any] = field(default_factory=dict)  # DDP's or fully_shard's keyword arguments
     fraction: Optional[float] = 0.5  # budget as a fraction of the unlimited step's peak; None: unlimited
-    micro_batches: int = 1  # > 1: gradient accumulation, all but the last under no_sync()
+    micro_batches: int = 1  # > 1: gradient accumulation, all but the last without gradient sync
     set_to_none: bool = False  # optimizer.zero_grad(set_to_none=...) between steps
     optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
     steps: int = 3
-
-
-def ddp_worker(rank: int, world_size: int, store: Path, out: Path, cases: Sequence[DDPCase]) -> None:
-    """Per case: train a copy of one model with DDP eagerly, then another copy under dtr
-    (``cost="estimate"``, deterministic), same seeds and per-rank data; saves
-    ``{"eager", "dtr", "stats", "budget", "peak"}`` to ``out/<case>.rank<rank>.pt``.
-
-    The budget's peak comes from one probe step of a third copy under ``dtr.budget(None)``,
-    the same first step the dtr run then takes. Copies are made before wrapping in DDP.
-    """
-    _worker_setup(rank, world_size, store)
-    for case in cases:
-        torch.manual_seed(0)
-        model = tanh_mlp()
-        batches = _batches(rank, case.steps, case.micro_batches)
-        eager, managed = (DDP(copy.deepcopy(model), **case.ddp_kwargs) for _ in range(2))
-        budget = peak = None
-        if case.fraction is not None:
-            probe = DDP(copy.deepcopy(model), **case.ddp_kwargs)
-            engine = dtr.budget(None, cost="estimate")
-            train_step(probe, _optimizer(case.optimizer, probe), batches[0], _cross_entropy, engine, seed=0)
-            peak = engine.stats().peak_resident_bytes
-            budget = int(case.fraction * peak)
-        result = {"eager": _train(eager, _optimizer(case.optimizer, eager), batches, set_to_none=case.set_to_none)}
-        engine = dtr.budget(budget, cost="estimate")
-        result["dtr"] = _train(managed, _optimizer(case.optimizer, managed), batches, engine, case.set_to_none)
-        result.update(stats=dataclasses.asdict(engine.stats()), budget=budget, peak=peak)
-        torch.save(result, out / f"{case.name}.rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 def fully_shard_api():
@@ -280,29 +267,55 @@ def fully_shard_api():
     return fully_shard, init_device_mesh
 
 
-def fsdp2_worker(rank: int, world_size: int, store: Path, out: Path) -> None:
-    """FSDP2 (``fully_shard`` per layer and at the root, CPU device mesh) trained eagerly, then
-    one forward under ``dtr.budget(None)``, which dtr refuses (dtr/eager/data_parallel.py).
-    Saves ``out/fsdp2.rank<rank>.pt``: the eager run's snapshot, the refusal's message, and
-    whether the parameters were left as they were."""
-    _worker_setup(rank, world_size, store)
+def _parallel(model: nn.Module, case: Case) -> nn.Module:
+    """A copy of ``model`` wrapped as ``case`` says (FSDP2: each Linear, then the root)."""
+    model = copy.deepcopy(model)
+    if case.parallel == "ddp":
+        return DDP(model, **case.options)
     fully_shard, init_device_mesh = fully_shard_api()
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    m = copy.deepcopy(tanh_mlp())
-    for layer in m:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    m = fully_shard(m, mesh=mesh)
-    result = {"snap": _train(m, _optimizer("adam", m), _batches(rank, 2, 1))}
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in m.parameters()]  # DTensor shards
-    before = [p.detach().clone() for p in local]
-    x, _ = _batches(rank, 1, 1)[0][0]
-    try:
-        with dtr.budget(None):
-            m(x)
-    except dtr.DTRError as e:
-        result["error"] = str(e)
-    result["unchanged"] = all(torch.equal(p.detach(), b) for p, b in zip(local, before))
-    torch.save(result, out / f"fsdp2.rank{rank}.pt")
+            fully_shard(layer, mesh=mesh, **case.options)
+    return fully_shard(model, mesh=mesh, **case.options)
+
+
+def worker(rank: int, world_size: int, store: Path, out: Path, cases: Sequence[Case]) -> None:
+    """Per case: train a copy of one model eagerly, then another copy under dtr
+    (``cost="estimate"``, deterministic), same seeds and per-rank data, both wrapped as the
+    case says; saves ``{"eager", "dtr", "stats", "budget", "peak", "warnings", "grad_bytes"}`` (``"error"``
+    instead of ``"dtr"`` and ``"stats"`` if the dtr run raised a ``DTRError``) to
+    ``out/<case>.rank<rank>.pt``.
+
+    The budget's peak comes from one probe step of a third copy under ``dtr.budget(None)``,
+    the same first step the dtr run then takes. Copies are made before wrapping.
+    """
+    _worker_setup(rank, world_size, store)
+    for case in cases:
+        torch.manual_seed(0)
+        model = tanh_mlp()
+        batches = _batches(rank, case.steps, case.micro_batches)
+        eager, managed = (_parallel(model, case) for _ in range(2))
+        result: Dict[str, Any] = {"eager": _train(eager, _optimizer(case.optimizer, eager), batches, set_to_none=case.set_to_none)}
+        try:
+            budget = peak = None
+            if case.fraction is not None:
+                probe = _parallel(model, case)
+                engine = dtr.budget(None, cost="estimate")
+                train_step(probe, _optimizer(case.optimizer, probe), batches[0], _cross_entropy, engine, seed=0)
+                peak = engine.stats().peak_resident_bytes
+                budget = int(case.fraction * peak)
+            engine = dtr.budget(budget, cost="estimate")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    result["dtr"] = _train(managed, _optimizer(case.optimizer, managed), batches, engine, case.set_to_none)
+                finally:
+                    result["warnings"] = [str(w.message) for w in caught]
+            result.update(stats=dataclasses.asdict(engine.stats()), budget=budget, peak=peak)
+            # What the last step's gradients take on this rank (a DTensor's by its local shard).
+            result["grad_bytes"] = sum(g.numel() * g.element_size() for g in (_local(p.grad) for p in managed.parameters()) if g is not None)
+        except dtr.DTRError as e:
+            result["error"] = f"{type(e).__name__}: {e}"
+        torch.save(result, out / f"{case.name}.rank{rank}.pt")
     dist.destroy_process_group()
