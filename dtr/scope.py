@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from dtr.config import parse_bytes
-from dtr.eager import data_parallel
+from dtr.eager import accumulation, data_parallel
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
@@ -151,6 +151,7 @@ class Engine:
             raise DTRError("this engine's block is already active (on another thread)")
         if torch.compiler.is_compiling():
             raise DTRError("dtr.budget cannot be entered inside torch.compile'd code")
+        accumulation.calibrate()
         heuristic = make_heuristic(self._heuristic)
         runtime = Runtime
         if self._trace is not None:

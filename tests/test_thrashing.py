@@ -38,12 +38,12 @@ def test_max_recompute_bounds_what_it_says():
     """A lower bound stops the same run sooner; None never stops it (here a run that ends)."""
     w = build("treelstm")
     tracked = run_step(w, fresh_model(w), None).stats
-    budget = budget_at(tracked, 0.3)
+    budget = budget_at(tracked, 0.15)
     with pytest.raises(dtr.ThrashingError) as info:
         run_step(w, fresh_model(w), budget, cost="estimate", max_recompute=2.0)
     assert 2.0 < info.value.ratio < 10
-    r = run_step(w, fresh_model(w), budget_at(tracked, 0.7), cost="estimate", max_recompute=None)
-    assert r.stats.rematerializations > 0
+    r = run_step(w, fresh_model(w), budget, cost="estimate", max_recompute=None)
+    assert r.stats.rematerializations > info.value.replays
     for bad in (0, -1.0, "10", True):
         with pytest.raises(ValueError, match="max_recompute"):
             dtr.budget(None, max_recompute=bad)

@@ -58,7 +58,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from dtr.eager import output_size, rng, swap
+from dtr.eager import accumulation, output_size, rng, swap
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
@@ -73,6 +73,7 @@ __all__ = ["Driver"]
 
 _Tensor = torch.Tensor
 _EXTERNAL = State.EXTERNAL
+_RESIDENT = State.RESIDENT
 _VIEW = Kind.VIEW
 _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
@@ -80,6 +81,9 @@ _COLLECTIVE = Kind.COLLECTIVE
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
 _strided = torch.strided
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+_graph_task_id = torch._C._current_graph_task_id
 # The parts of a sparse tensor, per layout (the accessors that do not coalesce).
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
@@ -224,8 +228,50 @@ class Driver:
             elif kind is _COLLECTIVE:
                 return self._run_collective(facts, func, args, kwargs)
             if facts.simple and not kwargs:
+                if func is _ADD and len(args) == 2 and self._accumulates(args):
+                    return self._accumulate(args)
                 return self._run_simple(facts, func, args)
             return self._run(facts, func, args, kwargs)
+
+    def _accumulates(self, args) -> bool:
+        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into an ``old``
+        that nothing else holds (Note [Accumulation in place] in accumulation.py)."""
+        old, new = args
+        if (
+            type(old) is not DTRTensor
+            or not isinstance(new, _Tensor)
+            or new is old
+            or torch.is_grad_enabled()
+            or _graph_task_id() == -1
+        ):
+            return False
+        rt = self.rt
+        ref = old._dtr
+        c = ref.cell
+        if c.storage.runtime is not rt:
+            return False
+        if c.storage.forward is not None:
+            c = ref.cell = rt.resolve(c)
+        s = c.storage
+        if c is not s or s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
+            # The last: a write would make what reads it permanent first (before_write).
+            return False
+        if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device or not old.is_contiguous():
+            return False
+        return accumulation.exclusive(args)
+
+    def _accumulate(self, args) -> DTRTensor:
+        """``old + new`` as ``old.add_(new)``, returned as a new wrapper over the new version
+        of ``old``'s storage (``_accumulates`` said that nothing else can see the write)."""
+        facts = FACTS.get(_ADD_) or facts_for(_ADD_)
+        ref = args[0]._dtr
+        chained = accumulation.summed(ref.cell.storage, facts.name)
+        self._run(facts, _ADD_, args, {})
+        rt = self.rt
+        cell = ref.cell = rt.resolve(ref.cell)
+        if (chained or accumulation.into_leaf(args[0])) and cell.storage.state is _RESIDENT:
+            rt.make_permanent([cell], yielding=True)
+        return make_wrapper(args[0], rt, cell)
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""

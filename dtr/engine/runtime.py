@@ -221,8 +221,9 @@ class Runtime:
         # Prefetched storages whose copy may still be landing -> the executor's pending handle:
         # every read of their values goes through ``arrive`` first (Note [Arrival]).
         self.arriving: dict = {}
-        # Outputs of ops that ``retire`` ended (their inputs' memory was freed by its owner).
-        self._retired: "weakref.WeakSet[Storage]" = weakref.WeakSet()
+        # Storages without lineage that give way to their dependents once dead (``_unreferenced``):
+        # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
+        self._yielding: "weakref.WeakSet[Storage]" = weakref.WeakSet()
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
@@ -280,14 +281,15 @@ class Runtime:
                     return
             self._evict(s)
             self.counters.eager_evictions += 1
-        elif s.state is RESIDENT and s.dependents and s in self._retired:
-            # It cannot be recomputed (FSDP2 freed the parameters it was made from: ``retire``)
-            # and is kept only for its dependents' replays. When they are resident and no
-            # larger, making them permanent instead frees it now: a layer's pre-activation
-            # goes, its activation, saved for backward anyway, stays. Only for retired ops:
-            # a permanent dependent written in place later makes its own dependents permanent
-            # (``before_write``), which can cost more than keeping ``s``; after FSDP2 freed the
-            # parameters, keeping ``s`` would hold a layer's outputs until its backward.
+        elif s.state is RESIDENT and s.dependents and s in self._yielding:
+            # It cannot be recomputed (FSDP2 freed the parameters it was made from, ``retire``;
+            # a permanent sum of gradients, ``make_permanent``) and is kept only for its
+            # dependents' replays. When they are resident and no larger, making them permanent
+            # instead frees it now: a layer's pre-activation goes, its activation, saved for
+            # backward anyway, stays. Only for those: a permanent dependent written in place
+            # later makes its own dependents permanent (``before_write``), which can cost more
+            # than keeping ``s``; after FSDP2 freed the parameters, or along a backward pass,
+            # keeping ``s`` would hold what it made until the block ends.
             deps = list(s.dependents)
             if sum(t.nbytes for t in deps) <= s.nbytes and all(t.state is RESIDENT and not t.locks for t in deps):
                 for t in deps:
@@ -385,7 +387,7 @@ class Runtime:
         """
         for s in storages:
             if s.uses and not s.recomputable:
-                self._make_permanent([t.root for t in s.dependents])
+                self.make_permanent([t.root for t in s.dependents])
 
     def retire(self, storages: Iterable[Storage]) -> None:
         """Call before memory that the parent ops of ``storages`` read, and the engine does not
@@ -413,12 +415,12 @@ class Runtime:
                 (swapped if s.state is SWAPPED else roots).append(s)
             elif s.dependents:
                 stack.extend(s.dependents)
-        self._make_permanent(roots)
+        self.make_permanent(roots)
         for s in swapped:  # its data is safe on the host: no need to bring it back
             self.cut(s)
         for rec in retired:  # whatever still lists it can never need it (see above)
             rec.replayable = False
-        self._retired.update(o for rec in retired for o in rec.outputs if type(o) is Storage)
+        self._yielding.update(o for rec in retired for o in rec.outputs if type(o) is Storage)
 
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""
@@ -1105,19 +1107,25 @@ class Runtime:
         not fit in the budget together.
         """
         live = [s for s in self._all if s.refs > 0]
-        self._make_permanent([s.root for s in live if s.state is not SWAPPED])
+        self.make_permanent([s.root for s in live if s.state is not SWAPPED])
         for s in live:
             if s.state is SWAPPED:  # its data is safe on the host: no need to bring it back
                 self.cut(s)
         self.counters.flushes += 1
 
-    def _make_permanent(self, roots: List[Cell]) -> None:
+    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
         """Make these storages resident together, then cut their lineage (or raise
-        ``OutOfBudgetError`` with nothing cut)."""
+        ``OutOfBudgetError`` with nothing cut). They stay charged and are never evicted
+        (swapped at most): for what recomputing would cost more than keeping, such as a sum
+        of gradients (Note [Accumulation in place] in dtr/eager/accumulation.py). With
+        ``yielding``, each gives way to its dependents once the program drops it
+        (``_unreferenced``)."""
         self.acquire(roots)
         try:
             for c in roots:
                 self.cut(c.storage)
+                if yielding:
+                    self._yielding.add(c.storage)
         finally:
             self.unlock(roots)
 

@@ -159,6 +159,12 @@ class RecordingRuntime(Runtime):
         storages = list(storages)
         self._call({"e": "retire", "cells": [self._cid(s.root) for s in storages]}, super().retire, storages)
 
+    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
+        if self._depth:
+            return super().make_permanent(roots, yielding)
+        event = {"e": "permanent", "cells": [self._cid(c) for c in roots], "yielding": yielding}
+        self._call(event, super().make_permanent, roots, yielding)
+
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:
             return super().reserve(nbytes, opname)

@@ -247,6 +247,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.before_write([cell(c).storage for c in event["cells"]])
         elif kind == "retire":
             rt.retire([cell(c).storage for c in event["cells"]])
+        elif kind == "permanent":
+            rt.make_permanent([cell(c) for c in event["cells"]], event.get("yielding", False))
         elif kind == "extract":
             rt.extract(cell(event["cell"]))
         elif kind == "hold":

@@ -34,6 +34,9 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "write", "cells": [...]}``: about to write these storages (roots) in place.
 - ``{"e": "retire", "cells": [...]}``: the parent ops of these storages (roots) can never run
   again: memory they read is about to be freed (FSDP2 resharding, ``Runtime.retire``).
+- ``{"e": "permanent", "cells": [...], "yielding": bool}``: these storages (roots) made
+  resident and cut from their lineage (``Runtime.make_permanent``: a sum of gradients made in
+  place).
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
 - ``{"e": "hold", "key": k, "bytes": n}``: the program holds ``n`` bytes under ``k`` (a
   parameter's gradient made in the block), charged until the block ends (``Runtime.hold``).
