@@ -9,7 +9,7 @@ Sections:
    cost. The sweep then runs on the new traces.
 2. Simulated (always): each trace is replayed by ``dtr.simulate`` for every heuristic
    (``--heuristics``; default: all of ``dtr.heuristic_names()``) at budget fractions of the
-   trace's unlimited simulated peak: 1.0, 0.9, ... 0.1 and 0.67 (a target's budget), going
+   trace's unlimited simulated peak: 1.0, 0.9, ... 0.1 with 0.67 and 0.45 (targets' budgets), going
    lower until a budget is infeasible or times out. Slowdown = simulated compute (recorded
    op costs plus the recomputations') / the recorded compute. A thrashing heuristic can
    take minutes near its lowest budget, so each simulation gets ``--sim-time-limit`` seconds
@@ -28,8 +28,11 @@ Sections:
    wall ratio, plotted at x = its true peak / eager's true peak.
 
 "Lowest fraction before 2x": going down from 1.0, the last fraction before the first one that
-is infeasible, times out or is >= 2x slower. Targets (the heuristics issue's, with dtr_eq):
-resnet <= 1.25x at 0.67 of the peak, transformer <= 1.10x at 0.6, treelstm <= 1.5x at 0.67.
+is infeasible, times out or is >= 2x slower. Targets (with dtr_eq, ``TARGETS``):
+resnet <= 1.25x at 0.67 of the peak, transformer <= 1.10x at 0.6, treelstm <= 1.5x at 0.67; the
+dynamic models (``zoo.DYNAMIC``, issue 18): the TreeLSTMs <= 1.6x at 0.9, 1.8x at 0.67, 2.0x at
+0.45 (the DTR paper's TreeLSTM, drawn on their plots with its LSTM), the GRU and LSTM cell
+loops <= 1.5x at 0.5 and 2.0x at 0.3.
 
     python benchmarks/bench_sweep.py                           # simulated, about a minute
     python benchmarks/bench_sweep.py --real                    # + real CPU steps, ~15 minutes on 2 cores
@@ -75,12 +78,32 @@ HERE = Path(__file__).parent
 TRACES = HERE / "traces"
 RESULTS = HERE / "results"
 PRESET = "bench"
-FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.67, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.67, 0.6, 0.5, 0.45, 0.4, 0.3, 0.2, 0.1)
 REAL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.67, 0.6, 0.5, 0.4, 0.3)
 SLOW = 2.0
 TARGET_HEURISTIC = "dtr_eq"
-TARGETS = (("resnet", 0.67, 1.25), ("transformer", 0.6, 1.10), ("treelstm", 0.67, 1.5))
+TARGETS = (
+    ("resnet", 0.67, 1.25), ("transformer", 0.6, 1.10), ("treelstm", 0.67, 1.5),
+    # The dynamic models' (issue 18): the DTR paper's TreeLSTM curve, and recurrent loops.
+    ("treelstm_batch", 0.9, 1.6), ("treelstm_batch", 0.67, 1.8), ("treelstm_batch", 0.45, 2.0),
+    ("treelstm_nary", 0.9, 1.6), ("treelstm_nary", 0.67, 1.8), ("treelstm_nary", 0.45, 2.0),
+    ("gru_cell", 0.5, 1.5), ("gru_cell", 0.3, 2.0), ("lstm_cell_masked", 0.5, 1.5), ("lstm_cell_masked", 0.3, 2.0),
+)
 CHAIN_MODELS = ("mlp", "cnn", "resnet", "transformer")
+# The DTR paper's measured slowdowns on a Titan V (its prototype's data files, via
+# shared/design/prior-art.md): budget / the baseline's peak -> slowdown. TreeLSTM (batch 9,
+# 8.9 GB): 8, 6, 4, 2 GB; LSTM (batch 256, 11.1 GB): 10 and 4 GB. Drawn on the tree and
+# recurrent models' plots for comparison (the paper's fractions are of eager's peak, ours of
+# dtr's unlimited one).
+PAPER = {
+    "TreeLSTM": [(8 / 8.9, 1.65), (6 / 8.9, 1.85), (4 / 8.9, 2.09), (2 / 8.9, 3.01)],
+    "LSTM": [(10 / 11.1, 1.23), (4 / 11.1, 1.41)],
+}
+PAPER_MODELS = {
+    "treelstm": "TreeLSTM", "treelstm_batch": "TreeLSTM", "treelstm_nary": "TreeLSTM",
+    "lstm": "LSTM", "lstmcell": "LSTM", "gru_cell": "LSTM", "lstm_cell_masked": "LSTM", "gru": "LSTM",
+    "lstm_packed": "LSTM",
+}
 
 
 # ------------------------------------------------------------------------------ recording
@@ -97,7 +120,7 @@ def record(models: List[str], traces: Path) -> None:
         path = traces / f"{name}.jsonl.gz"
         engine = dtr.budget(None, trace=path)
         timed_step(w, model, engine)
-        print(f"{name:<12} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
+        print(f"{name:<16} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
 
 
 # ------------------------------------------------------------------------------ simulated
@@ -137,7 +160,7 @@ def _simulate(trace, budget: int, heuristic: str, limit: float) -> dict:
 def run_sim(args, base: dict, out) -> List[dict]:
     print(f"\n## simulated: slowdown (compute / recorded compute) at budget fractions of the unlimited peak; "
           f"X infeasible, T timeout (> {args.sim_time_limit:g} s)")
-    print(f"{'model':<12} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
+    print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
     for name in args.models:
         path = args.traces / f"{name}.jsonl.gz"
@@ -151,7 +174,7 @@ def run_sim(args, base: dict, out) -> List[dict]:
             by_heuristic.setdefault(row["heuristic"], []).append(row)
         for heuristic, rs in by_heuristic.items():
             cells = {r["fraction"]: _cell(r) for r in rs}
-            print(f"{name:<12} {heuristic:<10} " + " ".join(f"{cells.get(f, ''):>5}" for f in FRACTIONS)
+            print(f"{name:<16} {heuristic:<10} " + " ".join(f"{cells.get(f, ''):>5}" for f in FRACTIONS)
                   + f"  {sum(r['sim_s'] for r in rs):>6.1f}", flush=True)
     return rows
 
@@ -305,7 +328,7 @@ def checkpoint_point(w, model, repeats: int, limit: float, eager: dict) -> dict:
 def run_real(args, base: dict, out) -> List[dict]:
     print(f"\n## real CPU steps: wall time / eager's (median of {args.repeats}); true peak (torch.profiler) over "
           f"eager's, with the gradients allocated before the step, and created by it (fresh)")
-    print(f"{'model':<12} {'heuristic':<22} {'frac':>5} {'budget MiB':>10} {'eager ms':>9} {'ms':>9} {'ratio':>6} "
+    print(f"{'model':<16} {'heuristic':<22} {'frac':>5} {'budget MiB':>10} {'eager ms':>9} {'ms':>9} {'ratio':>6} "
           f"{'evict':>6} {'remat':>6} {'true MiB':>9} {'/eager':>6} {'fresh MiB':>9} {'/eager':>6}  status")
     rows = []
     for name in args.models:
@@ -341,7 +364,7 @@ def _real_line(row: dict) -> str:
         return format(v * scale, fmt) if v is not None else "-"
 
     label = row["heuristic"] + (f" ({row['segments']} of {row['stages']})" if "segments" in row else "")
-    return (f"{row['model']:<12} {label:<22} {f('fraction', '.2f'):>5} {f('budget_bytes', '.1f', 2**-20):>10} "
+    return (f"{row['model']:<16} {label:<22} {f('fraction', '.2f'):>5} {f('budget_bytes', '.1f', 2**-20):>10} "
             f"{f('eager_ms', '.1f'):>9} {f('median_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('evictions', 'd'):>6} "
             f"{f('remats', 'd'):>6} {f('true_peak_bytes', '.1f', 2**-20):>9} {f('true_peak_fraction', '.2f'):>6} "
             f"{f('true_peak_fresh_grads_bytes', '.1f', 2**-20):>9} {f('true_peak_fresh_grads_fraction', '.2f'):>6}  "
@@ -386,10 +409,10 @@ def summarize(rows: List[dict]) -> None:
             continue
         print(f"\n## lowest budget fraction before {SLOW:g}x slowdown ({section})")
         heuristics = list(dict.fromkeys(h for _, h in sweeps))
-        print(f"{'model':<12} " + " ".join(f"{h:>10}" for h in heuristics))
+        print(f"{'model':<16} " + " ".join(f"{h:>10}" for h in heuristics))
         for model in dict.fromkeys(m for m, _ in sweeps):
             cells = [lowest_before(sweeps[model, h]) if (model, h) in sweeps else "" for h in heuristics]
-            print(f"{model:<12} " + " ".join(f"{'none' if c is None else c:>10}" for c in cells))
+            print(f"{model:<16} " + " ".join(f"{'none' if c is None else c:>10}" for c in cells))
     print(f"\n## targets ({TARGET_HEURISTIC}; fractions of the unlimited peak)")
     for model, fraction, target in TARGETS:
         for section in ("sim", "real"):
@@ -404,7 +427,7 @@ def summarize(rows: List[dict]) -> None:
                 if last is None or last["status"] == "ok" or last["fraction"] < fraction:
                     continue  # not swept at the target's fraction
                 verdict = f"NOT met (not reached: {last['status']} at {last['fraction']:.2f})"
-            print(f"{model:<12} {section:<5} <= {target:.2f}x at {fraction:.2f}: {verdict}")
+            print(f"{model:<16} {section:<5} <= {target:.2f}x at {fraction:.2f}: {verdict}")
 
 
 def _verdict(row: dict, target: float) -> str:
@@ -442,6 +465,10 @@ def plot(rows: List[dict], path: Path) -> bool:
                     label = heuristic + (" (real wall)" if section == "real" else "")
                     ax.plot(*zip(*pts), style, color=color, label=label, markersize=4,
                             linewidth=2 if section == "real" else 1.2)
+        paper = PAPER_MODELS.get(name)
+        if paper is not None:
+            ax.plot(*zip(*PAPER[paper]), "ks", markersize=5, fillstyle="none",
+                    label=f"DTR paper's {paper} (GPU, wall)")
         for r in rows:
             if r["section"] == "checkpoint" and r["model"] == name and r["status"] == "ok":
                 ax.plot(r["true_peak_fraction"], r["ratio"], "r*", markersize=13,
@@ -478,7 +505,7 @@ def latest_rows(path: Path) -> List[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", choices=zoo.MODELS, default=list(zoo.MODELS))
+    ap.add_argument("--models", nargs="+", choices=zoo.MODELS + zoo.DYNAMIC, default=list(zoo.MODELS + zoo.DYNAMIC))
     ap.add_argument("--heuristics", nargs="+", default=None, help="simulated; default: all of dtr.heuristic_names()")
     ap.add_argument("--record", action="store_true", help="record the traces first")
     ap.add_argument("--traces", type=Path, default=TRACES)
