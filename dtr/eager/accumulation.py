@@ -45,8 +45,9 @@ an accumulation known to be exclusive, measured once per process through the sam
 (``calibrate``): a real block whose backward sums two fresh gradients of one weight. Any other
 holder (a second input buffer getting the same gradient, a hook, a saved tensor, a Python
 variable) raises one count or the other, and the sum is made out of place as before. So are
-sums whose result would differ in shape, dtype or device from ``old``, or whose ``old`` is a
-view, has views, or shares its storage with ``new``. If torch's autograd stops summing through
+sums whose result would differ in shape, dtype or device from ``old``, or whose ``old`` does
+not cover its storage densely (a transposed whole is fine: linear layers' weight gradients
+arrive so), has other views, or shares its storage with ``new``. If torch's autograd stops summing through
 ``aten.add`` (the calibration sees no sum), nothing is done in place.
 """
 
@@ -57,7 +58,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["calibrate", "exclusive", "into_leaf", "summed"]
+__all__ = ["calibrate", "dense", "exclusive", "into_leaf", "summed"]
 
 # (use count, reference count) of an exclusively held ``old``; None before ``calibrate``,
 # () where the calibration saw no sum (never in place).
@@ -97,6 +98,18 @@ def exclusive(args) -> bool:
         _calibrating.append(counts)
         return False
     return counts == _exclusive
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory without gaps or overlaps, in some order
+    of its dimensions (contiguous, or transposed as a linear layer's weight gradient arrives):
+    autograd's condition for summing into it in place. From its metadata alone."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def summed(s, name: str) -> bool:

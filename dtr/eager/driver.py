@@ -253,10 +253,13 @@ class Driver:
         if c.storage.forward is not None:
             c = ref.cell = rt.resolve(c)
         s = c.storage
-        if c is not s or s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
+        if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
             # The last: a write would make what reads it permanent first (before_write).
             return False
-        if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device or not old.is_contiguous():
+        if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
+            return False
+        # The whole of its storage, densely (a weight's gradient often arrives transposed).
+        if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
             return False
         return accumulation.exclusive(args)
 
