@@ -18,7 +18,7 @@ new version of ``old``'s storage, Note [Versions]) and returns a new wrapper ove
 values are bit for bit those of ``old + new``.
 
 A sum into a parameter's gradient, and a sum into a sum (the third gradient of a tensor used
-three times, and every one after), is then made permanent
+three times, and every one after), in place or not, is then made permanent
 (``Runtime.make_permanent``; later writes to a storage without lineage are permanent by
 construction), as in eager, where nothing is recomputable. Its lineage is every gradient
 summed so far, so its true recomputation cost is the backward pass up to here, which the
@@ -65,6 +65,7 @@ __all__ = ["calibrate", "dense", "exclusive", "into_leaf", "summed"]
 _exclusive: Optional[Tuple[int, ...]] = None
 _calibrating: Optional[list] = None  # the counts seen, while ``calibrate`` runs
 _current_node = getattr(torch._C, "_current_autograd_node", None)
+_SUMS = ("aten.add.Tensor", "aten.add_.Tensor")  # the ops' names in records
 
 
 def calibrate() -> None:
@@ -112,11 +113,11 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
-def summed(s, name: str) -> bool:
-    """Whether storage ``s`` is itself a sum made in place (its op is ``name``, the in-place
-    add), so that adding to it extends a chain of sums."""
+def summed(s) -> bool:
+    """Whether storage ``s`` is itself a sum (made by an ``add``, in place or not), so that
+    adding to it extends a chain of sums."""
     rec = s.parent
-    return rec is not None and rec.name == name
+    return rec is not None and rec.name in _SUMS
 
 
 def into_leaf(old: torch.Tensor) -> bool:

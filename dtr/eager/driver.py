@@ -228,14 +228,15 @@ class Driver:
             elif kind is _COLLECTIVE:
                 return self._run_collective(facts, func, args, kwargs)
             if facts.simple and not kwargs:
-                if func is _ADD and len(args) == 2 and self._accumulates(args):
-                    return self._accumulate(args)
+                if func is _ADD and len(args) == 2 and self._summing(args):
+                    return self._sum(facts, args)
                 return self._run_simple(facts, func, args)
             return self._run(facts, func, args, kwargs)
 
-    def _accumulates(self, args) -> bool:
-        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into an ``old``
-        that nothing else holds (Note [Accumulation in place] in accumulation.py)."""
+    def _summing(self, args) -> bool:
+        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into ``old``: a
+        backward pass, grad mode off, ``old`` a wrapper of this engine with ``new``'s shape,
+        dtype and device (Note [Accumulation in place] in accumulation.py)."""
         old, new = args
         if (
             type(old) is not DTRTensor
@@ -251,30 +252,40 @@ class Driver:
         if c.storage.runtime is not rt:
             return False
         if c.storage.forward is not None:
-            c = ref.cell = rt.resolve(c)
-        s = c.storage
+            ref.cell = rt.resolve(c)
+        return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+
+    def _in_place(self, old: DTRTensor, args) -> bool:
+        """Whether nothing but autograd's buffer can see a write to ``old``."""
+        s = old._dtr.cell.storage
         if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
             # The last: a write would make what reads it permanent first (before_write).
-            return False
-        if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
             return False
         # The whole of its storage, densely (a weight's gradient often arrives transposed).
         if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
             return False
         return accumulation.exclusive(args)
 
-    def _accumulate(self, args) -> DTRTensor:
-        """``old + new`` as ``old.add_(new)``, returned as a new wrapper over the new version
-        of ``old``'s storage (``_accumulates`` said that nothing else can see the write)."""
-        facts = FACTS.get(_ADD_) or facts_for(_ADD_)
-        ref = args[0]._dtr
-        chained = accumulation.summed(ref.cell.storage, facts.name)
-        self._run(facts, _ADD_, args, {})
+    def _sum(self, facts, args) -> Any:
+        """``old + new`` for autograd: as ``old.add_(new)`` (a new wrapper over the new version
+        of ``old``'s storage) where nothing else can see the write, out of place otherwise;
+        made permanent when it is a parameter's gradient or extends a chain of sums."""
+        old = args[0]
         rt = self.rt
-        cell = ref.cell = rt.resolve(ref.cell)
-        if (chained or accumulation.into_leaf(args[0])) and cell.storage.state is _RESIDENT:
+        chained = accumulation.summed(old._dtr.cell.storage)
+        if self._in_place(old, args):
+            self._run(FACTS.get(_ADD_) or facts_for(_ADD_), _ADD_, args, {})
+            ref = old._dtr
+            cell = ref.cell = rt.resolve(ref.cell)
+            out = make_wrapper(old, rt, cell)
+        else:
+            out = self._run_simple(facts, _ADD, args)
+            if type(out) is not DTRTensor:
+                return out
+            cell = out._dtr.cell
+        if (chained or accumulation.into_leaf(old)) and cell.storage.state is _RESIDENT:
             rt.make_permanent([cell], yielding=True)
-        return make_wrapper(args[0], rt, cell)
+        return out
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
