@@ -509,7 +509,8 @@ def latest_rows(path: Path) -> List[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", choices=zoo.MODELS + zoo.DYNAMIC, default=list(zoo.MODELS + zoo.DYNAMIC))
+    ap.add_argument("--models", nargs="+", choices=zoo.MODELS + zoo.DYNAMIC, default=list(zoo.MODELS),
+                    help="default: zoo.MODELS; the dynamic models (zoo.DYNAMIC) by name")
     ap.add_argument("--heuristics", nargs="+", default=None, help="simulated; default: all of dtr.heuristic_names()")
     ap.add_argument("--record", action="store_true", help="record the traces first")
     ap.add_argument("--traces", type=Path, default=TRACES)
