@@ -154,3 +154,38 @@ def test_the_lstm_cell_loop_does_not_tip_into_thrashing(tmp_path):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
     assert r.feasible and r.slowdown < 2.0 and r.rematerializations < 3000, r
+
+
+def test_sums_inside_a_backward_formula_stay_out_of_place(tmp_path):
+    """``atan2``'s backward formula adds two temporaries of its own (C++ could read one again,
+    and its reference counts look like a buffer's): no sum in place, eager's gradients."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    torch.atan2(x * 1.5, y).sum().backward()
+    expected = (x.grad.clone(), y.grad.clone())
+    x.grad = y.grad = None
+    trace = tmp_path / "t.jsonl"
+    with dtr.budget(None, cost="estimate", trace=trace):
+        torch.atan2(x * 1.5, y).sum().backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(y.grad, expected[1])
+    names = [e["name"] for e in load(trace).blocks[0] if e["e"] == "op"]
+    assert "aten.add.Tensor" in names and "aten.add_.Tensor" not in names, names
+
+
+def test_a_first_block_under_no_grad_calibrates(tmp_path):
+    """The calibration runs its own backward whatever the caller's grad mode (a fresh process:
+    it runs once per process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dtr\n"
+        "from dtr.eager import accumulation\n"
+        "with torch.no_grad():\n"
+        "    with dtr.budget(None):\n"
+        "        y = torch.ones(3) * 2\n"
+        "print(accumulation._exclusive)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() not in ("()", "None"), out.stdout

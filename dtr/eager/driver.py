@@ -84,6 +84,7 @@ _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
 _graph_task_id = torch._C._current_graph_task_id
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 # The parts of a sparse tensor, per layout (the accessors that do not coalesce).
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
@@ -153,6 +154,10 @@ class Driver:
         self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
+        # The autograd node running (backward), and the first storage id made while it runs:
+        # what was made before it is no temporary of its formula (``_in_place``).
+        self.node = None
+        self.node_from = 0
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
     def set_limit(self, limit: Optional[int], opname: str = "set budget") -> None:
@@ -207,6 +212,10 @@ class Driver:
             self.ops += 1
             if rt._dead:
                 rt.drain()
+            node = _current_node()
+            if node is not self.node:
+                self.node = node
+                self.node_from = rt.next_sid
             kind = facts.kind
             if kind is _VIEW or kind is _DETACH or kind is Kind.INPLACE_VIEW:
                 base = args[facts.view_of]
@@ -258,6 +267,10 @@ class Driver:
     def _in_place(self, old: DTRTensor, args) -> bool:
         """Whether nothing but autograd's buffer can see a write to ``old``."""
         s = old._dtr.cell.storage
+        if self.node is None or s.sid >= self.node_from:
+            # Made while this node runs: a temporary of its backward formula, which C++ may read
+            # again, not a gradient autograd's buffer holds (counts cannot tell them apart).
+            return False
         if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
             # The last: a write would make what reads it permanent first (before_write).
             return False
@@ -1054,6 +1067,7 @@ class Driver:
                 for h in self.hooks.values():
                     h.remove()
                 self.hooks.clear()
+                self.node = None
                 self.const_uses.clear()
                 self.const_memory.clear()
                 self.const_addresses.clear()
