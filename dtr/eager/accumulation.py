@@ -24,22 +24,23 @@ construction), as in eager, where nothing is recomputable. Its lineage is every 
 summed so far, so its true recomputation cost is the backward pass up to here, which the
 heuristics do not see: with lineage kept, simulations of the bench TreeLSTM's trace at 0.67
 of its peak, and of the GRU cell loop's at 0.5, re-summed weight and embedding gradients tens
-of thousands of times and did not end in a minute (with it: 1.2x and 1.4x). The gradients it
+of thousands of times and did not end in a minute (with it: 1.18x and 1.31x, README). The gradients it
 was summed from are released with their own lineage. Protecting running sums from eviction
 while they are referenced, keeping their lineage, was not enough: the TreeLSTM's simulation
 still did not end at 0.67 (a dead sum's readers, evicted, recompute through the chain). A
 single sum of activation gradients (a residual branch's) keeps its lineage: made permanent,
 it stays resident for as long as the ops that read it may be replayed, where an evictable one
-goes as soon as the program drops it (with every sum permanent, the bench transformer's peak
-rose from 258 to 408 MiB). A permanent sum the program dropped gives way to its readers'
-outputs once those are resident and no larger (``make_permanent(..., yielding=True)``); where
-they are not, it stays: the tiny ``nn.GRU``'s state-gradient sums (three uses per step) keep
-0.7 of its evictable room out of reach by 150 bytes, and a block whose activations are each
-used four times (``a.sin() + a.cos() + a * a + h``) or non-reentrant ``checkpoint`` peak 4-8%
-higher than with every sum out of place and lose their lowest budgets. The destination is read from autograd:
-the node whose output is being added passes it on to its ``next_functions``, and a
-parameter's ``AccumulateGrad`` of the sum's shape and dtype among them marks a parameter's
-gradient (a false match costs only that sum's lineage).
+goes as soon as the program drops it (one-off probe: with every sum permanent, the bench
+transformer's unlimited peak rose from 258 to 408 MiB). A permanent sum the program dropped
+gives way to its readers' outputs once those are resident and no larger
+(``make_permanent(..., yielding=True)``); where they are not, it stays: the tiny ``nn.GRU``'s
+state-gradient sums (three uses per step) keep 0.7 of its evictable room out of reach
+(``tests/test_zoo_dynamic.py``, a strict xfail), and in one-off probes a block whose
+activations are each used four times (``a.sin() + a.cos() + a * a + h``) or non-reentrant
+``checkpoint`` peaked 4-8% higher than with every sum out of place and lost their lowest
+budgets. The destination is read from autograd: the node whose output is being added passes
+it on to its ``next_functions``, and a parameter's ``AccumulateGrad`` of the sum's shape and
+dtype among them marks a parameter's gradient (a false match costs only that sum's lineage).
 
 Only a gradient made before the running autograd node began counts (``Driver.node_from``):
 a backward formula's own temporaries (``atan2``'s adds two) look exclusive by every count,
@@ -53,8 +54,8 @@ holder (a second input buffer getting the same gradient, a hook, a saved tensor,
 variable) raises one count or the other, and the sum is made out of place as before. So are
 sums whose result would differ in shape, dtype or device from ``old``, or whose ``old`` does
 not cover its storage densely (a transposed whole is fine: linear layers' weight gradients
-arrive so), has other views, or shares its storage with ``new``. If torch's autograd stops summing through
-``aten.add`` (the calibration sees no sum), nothing is done in place.
+arrive so), has other views, or shares its storage with ``new``. If torch's autograd stops
+summing through ``aten.add`` (the calibration sees no sum), nothing is done in place.
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ _exclusive: Optional[Tuple[int, ...]] = None
 _calibrating: Optional[list] = None  # the counts seen, while ``calibrate`` runs
 _lock = threading.Lock()  # one calibration at a time
 _calibrator: Optional[int] = None  # the thread calibrating: other threads' sums are not its measurements
-_current_node = getattr(torch._C, "_current_autograd_node", None)
 _SUMS = ("aten.add.Tensor", "aten.add_.Tensor")  # the ops' names in records
 
 
@@ -136,11 +136,10 @@ def summed(s) -> bool:
     return rec is not None and rec.name in _SUMS
 
 
-def into_leaf(old: torch.Tensor) -> bool:
-    """Whether autograd is summing into the gradient of a leaf (a parameter): the node that
-    made the gradient being added passes one of its outputs to a leaf of ``old``'s shape and
-    dtype (Note [Accumulation in place])."""
-    node = _current_node() if _current_node is not None else None
+def into_leaf(old: torch.Tensor, node) -> bool:
+    """Whether autograd is summing into the gradient of a leaf (a parameter): ``node``, the
+    autograd node running, which made the gradient being added, passes one of its outputs to
+    a leaf of ``old``'s shape and dtype (Note [Accumulation in place])."""
     if node is None:
         return False
     for fn, _ in node.next_functions:

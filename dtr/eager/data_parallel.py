@@ -95,7 +95,7 @@ def _before_forward(module: torch.nn.Module, args) -> None:
     elif not _fsdp2_ready and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
         raise DTRError(
             f"dtr: FSDP2 (fully_shard) is not supported inside dtr.budget with torch {torch.__version__}: "
-            "its internals (FSDPParamGroup, FSDPParam) are not the ones dtr knows (torch 2.4 to 2.13). "
+            "its internals (FSDPParamGroup, FSDPParam) are not the ones dtr was written against (torch 2.13). "
             "Use DistributedDataParallel, or FSDP2 without dtr."
         )
 
@@ -140,15 +140,11 @@ def _resharding(reshard):
         driver = _active_driver()
         if driver is None:
             return reshard(group, *args, **kwargs)
-        outer = _resharded.get(driver)
         _resharded[driver] = [group.fsdp_params, False]
         try:
             return reshard(group, *args, **kwargs)
         finally:
-            if outer is None:
-                del _resharded[driver]
-            else:
-                _resharded[driver] = outer
+            del _resharded[driver]
 
     return run
 

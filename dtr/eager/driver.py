@@ -296,7 +296,7 @@ class Driver:
             if type(out) is not DTRTensor:
                 return out
             cell = out._dtr.cell
-        if (chained or accumulation.into_leaf(old)) and cell.storage.state is _RESIDENT:
+        if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
             rt.make_permanent([cell], yielding=True)
         return out
 
