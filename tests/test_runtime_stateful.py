@@ -280,3 +280,65 @@ def test_a_dead_storage_without_lineage_keeps_its_dependents_evictable():
     _op(rt, [], 8, "w", keep)
     rt.check_invariants()
     rt.close()
+
+
+def _write(rt, cell, name):
+    """``cell += 1`` in place: a new version of its storage (Note [Versions])."""
+    rt.before_write([cell.storage])
+    rt.acquire([cell])
+    rec = OpRecord(name, [cell], lambda vals: [(name, vals[0])], cost=1.0)
+    rt.complete(rec, [(cell.storage, (name, cell.value))], [])
+    return rt.resolve(cell)
+
+
+def _versions(rt, keep):
+    """``x`` written in place three times (four versions), the newest evicted and accessed
+    again; ``keep`` holds the program's handles. Returns the versions, oldest first."""
+    x = _op(rt, [], 8, "x", keep)
+    versions = [x]
+    for k in range(3):
+        versions.append(_write(rt, versions[-1], f"w{k}"))
+    return versions
+
+
+def test_old_versions_are_evicted_once_their_successor_is_rebuilt():
+    """Rebuilding the newest of four versions replays all four ops; the old versions go as
+    each successor is back, as when the program wrote them in place: one storage's bytes are
+    resident after the access, not four (Note [Old versions after a replay])."""
+    ex = FakeExecutor()
+    rt = Runtime(None, make_heuristic("dtr_eq"), ex)
+    keep = {}
+    versions = _versions(rt, keep)
+    newest = versions[-1]
+    rt.evict([newest.storage])
+    rt.acquire([newest])
+    assert newest.value == ("w2", ("w1", ("w0", ("x", ()))))
+    rt.unlock([newest])
+    assert ex.replays == 4
+    assert [v.storage.state.name for v in versions] == ["EVICTED"] * 3 + ["RESIDENT"]
+    assert rt.memory == 8
+    rt.check_invariants()
+    rt.close()
+
+
+def test_an_old_version_stays_for_an_evicted_reader_the_program_holds():
+    """``y = f(x)`` read the oldest version and is held, evicted: the oldest version, rebuilt
+    on the way to the newest, stays resident, since ``y`` would need it again (the eager
+    eviction rule); the middle ones go."""
+    ex = FakeExecutor()
+    rt = Runtime(None, make_heuristic("dtr_eq"), ex)
+    keep = {}
+    x = _op(rt, [], 8, "x", keep)
+    y = _op(rt, [x], 8, "y", keep)
+    versions = [x]
+    for k in range(3):
+        versions.append(_write(rt, versions[-1], f"w{k}"))
+    rt.evict([y.storage, versions[-1].storage])
+    rt.acquire([versions[-1]])
+    rt.unlock([versions[-1]])
+    assert [v.storage.state.name for v in versions] == ["RESIDENT", "EVICTED", "EVICTED", "RESIDENT"]
+    rt.acquire([y])
+    assert y.value == ("y", (("x", ()),))
+    rt.unlock([y])
+    rt.check_invariants()
+    rt.close()
