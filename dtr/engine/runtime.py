@@ -743,16 +743,15 @@ class Runtime:
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
         Eagerly an in-place op reuses its storage, and ``complete`` evicts the old version
         at once (its bytes are the new one's). A replay rebuilds the new version in fresh
-        memory, so a chain of k in-place ops (aten's GRU cell writes one ``addmm`` output
-        five times) recomputed from its start leaves k storages resident where the program
-        had one. Those old versions are read only to rebuild their successor, or by ops that
-        ran while they were current, so the heuristic scores them like live activations and
-        keeps them (on ``nn.GRU`` at 0.8 of its peak, 46 MB of old versions whose
-        successors were evicted again filled a 134 MB budget, and the step ran 13x its
-        cost). So each goes as soon as its successor is back, as in ``complete``, unless a
-        replay in flight has locked it for itself (``_materialize`` locks every input of
-        ``rec`` once per cell) or a dependent the program holds is evicted and would need it
-        (as in eager eviction, ``_unreferenced``).
+        memory, so recomputing a chain of k in-place writes (aten's GRU cell writes one
+        ``addmm`` output five times) would leave k storages resident where the program had
+        one. Old versions are read only to rebuild their successor or by ops that ran while
+        they were current, yet the heuristic scores them like live activations, and they
+        crowd out what the program still holds (docs/heuristics.md has the measurements). So
+        each goes as soon as its successor is back, as in ``complete``, unless a replay in
+        flight has locked it for itself (``_materialize`` locks every input of ``rec`` once
+        per cell) or a dependent the program holds is evicted and would need it (the eager
+        eviction rule of ``_unreferenced``).
         """
         for c in rec.inputs:
             old = c.storage
