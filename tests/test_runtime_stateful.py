@@ -342,3 +342,18 @@ def test_an_old_version_stays_for_an_evicted_reader_the_program_holds():
     rt.unlock([y])
     rt.check_invariants()
     rt.close()
+
+
+def test_an_old_version_made_permanent_stays():
+    """An old version made permanent (its lineage cut) after its successor was written cannot
+    be evicted when the successor is rebuilt: nothing could recompute it (Invariant 3)."""
+    rt = Runtime(None, make_heuristic("dtr_eq"), FakeExecutor())
+    keep = {}
+    versions = _versions(rt, keep)
+    rt.make_permanent([versions[1]])
+    rt.evict([versions[-1].storage, versions[2].storage])
+    rt.acquire([versions[-1]])
+    rt.unlock([versions[-1]])
+    assert [v.storage.state.name for v in versions] == ["RELEASED", "RESIDENT", "EVICTED", "RESIDENT"]
+    rt.check_invariants()
+    rt.close()

@@ -758,6 +758,8 @@ class Runtime:
             new = old.forward
             if new is None or new.parent is not rec or new.state is not RESIDENT or old.state is not RESIDENT:
                 continue
+            if not old.recomputable:  # made permanent since (Invariant 3)
+                continue
             if old.locks != sum(1 for i in rec.inputs if i.storage is old):
                 continue
             if any(t.refs and t.state is EVICTED for t in old.dependents):
