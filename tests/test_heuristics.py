@@ -179,7 +179,7 @@ class CheckedIndex(CandidateIndex):
         s = super().pick()
         now, h = self._now, self.heuristic
         candidates = [t for t in self.resident if not t.locks and t.recomputable]
-        protected = [t for t in candidates if t.protected or t.sid >= self.protected_from]
+        protected = [t for t in candidates if t.protected or t.backward or t.sid >= self.protected_from]
         unprotected = [t for t in candidates if t not in protected]
         pool = [t for t in unprotected if t.nbytes >= self._small_below] or protected or candidates
         if s is None:
@@ -269,16 +269,20 @@ def test_pinned_storages_are_never_evicted():
         rt.check_invariants()
 
 
+@pytest.mark.parametrize("window", ["protect_new", "backward"])
 @pytest.mark.parametrize("name", BUILTINS + [ScoreOnly.name])
-def test_protected_storages_go_last(name):
-    """Storages made under ``protect_new`` are evicted only when no unprotected storage of
-    ordinary size can go, and before the small ones (a held loss: evicting it frees nothing and
+def test_protected_storages_go_last(name, window):
+    """Storages made under ``protect_new``, or in a backward pass (``set_backward``: Note
+    [Gradients are a last resort]), are evicted only when no unprotected storage of ordinary
+    size can go, and before the small ones (a held loss: evicting it frees nothing and
     recomputing it replays a whole forward pass), in both searches (the candidate index, and
     rescoring for a score-only heuristic). The protected ones are the stalest, so that a
     heuristic left alone would take them first. That they are ordinary candidates again once
-    the protection ends is checked pick by pick by the stateful test (``protect`` rule)
-    against a brute-force scan."""
+    a ``protect_new`` window ends is checked pick by pick by the stateful test (``protect``
+    rule) against a brute-force scan; storages made in a backward pass stay a last resort
+    after it (here: it ends before the first eviction)."""
     rt = Runtime(None, make_heuristic(name), FakeExecutor())
+    start = rt.protect_new if window == "protect_new" else rt.set_backward
     held = []
 
     def make(nbytes, ins):
@@ -291,8 +295,10 @@ def test_protected_storages_go_last(name):
 
     small = make(10, [])  # under 1% of the mean resident size: the last resort
     plain = [make(10_000, []) for _ in range(3)]
-    rt.protect_new(True)
+    start(True)
     protected = [make(10_000, []) for _ in range(3)]
+    if window == "backward":
+        rt.set_backward(False)
     make(10, plain)  # reads the unprotected ones: the protected are now the stalest
     states = lambda cells: [c.storage.state for c in cells]  # noqa: E731
     rt.set_budget(rt.memory - 20_000)  # two must go, both unprotected

@@ -184,6 +184,12 @@ class RuntimeMachine(RuleBasedStateMachine):
         gc.collect()
         self.rt.drain()
 
+    @rule(on=st.booleans())
+    def backward(self, on):
+        """The program enters or leaves a backward pass: what it makes while in one is a last
+        resort of eviction for good (Note [Gradients are a last resort])."""
+        self.rt.set_backward(on)
+
     @rule(budget=st.one_of(st.none(), st.integers(0, 400), st.integers(6400, 7000)))
     def set_budget(self, budget):
         try:

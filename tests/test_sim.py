@@ -248,3 +248,32 @@ def test_simulation_repeats_retired_ops(tmp_path):
     assert feasible and sim.feasible and real
     assert simulated == real
     assert any(e["e"] == "retire" for e in load(tmp_path / "t.jsonl").blocks[0])
+
+
+def test_traces_mark_the_backward_pass(tmp_path):
+    """The driver says when autograd starts running the program's ops (Note [Gradients are a
+    last resort]): one step's trace turns the backward pass on once, after the last forward
+    op and before the first backward formula, and the storages made in it are the ones the
+    runtime marks."""
+    w = zoo.build("mlp")
+    path = tmp_path / "mlp.jsonl.gz"
+    marked = []
+    with dtr.budget(None, cost="estimate", trace=path) as engine:
+        loss = w.loss_fn(w.model, w.batch)
+        loss.backward()
+        rt = engine._driver.rt
+        marked = [s.sid for s in rt.storages() if s.backward]
+    names = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("e") == "backward":
+                names.append(("backward", e["on"]))
+            elif e.get("e") == "op":
+                names.append(e["name"])
+    switches = [i for i, n in enumerate(names) if isinstance(n, tuple)]
+    assert [names[i] for i in switches] == [("backward", True)]
+    before, after = names[: switches[0]], names[switches[0] + 1 :]
+    assert not any("backward" in n for n in before) and "aten.nll_loss_forward.default" in before
+    assert "backward" in after[0]
+    assert marked

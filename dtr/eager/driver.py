@@ -214,6 +214,8 @@ class Driver:
                 rt.drain()
             node = _current_node()
             if node is not self.node:
+                if (node is None) is not (self.node is None):
+                    rt.set_backward(node is not None)
                 self.node = node
                 self.node_from = rt.next_sid
             kind = facts.kind

@@ -46,7 +46,9 @@ since the runtime's protection window began (``Runtime.protect_new``) or named t
 ``Runtime.protect`` ("protected": scanned when no unprotected storage of ordinary size can go,
 before the small ones, whose eviction frees next to nothing; re-checked at each round start,
 active again once the window has moved past them and ``Runtime.unprotect`` named them; a row
-protected while active moves when examined, before it can be picked).
+protected while active moves when examined, before it can be picked); storages made in a
+backward pass ("gradients", Note [Gradients are a last resort] in runtime.py: scanned with the
+protected ones, never re-checked, since they stay a last resort until they leave memory).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected,
@@ -119,6 +121,8 @@ class CandidateIndex:
         self._stash_max = 0  # no stashed storage is larger
         self._protected: Dict[int, Storage] = {}
         self._protected_from: float = _INF  # storages with a sid from this one on are protected
+        # Storages made in a backward pass: the protected tier for life, never re-checked.
+        self._gradients: Dict[int, Storage] = {}
         self._started = False
         # The current round: its clock, small-storage threshold, pick count, and the heap of
         # examined candidates: (score, sid, slot, pick it was scored in).
@@ -200,7 +204,7 @@ class CandidateIndex:
                 # A small storage stashed before it was protected stays in the stash: it
                 # counts as protected here.
                 flagged = [(slot, t) for slot, t in self._stashed.items() if t.protected]
-                s = self._best_of(chain(self._protected.items(), flagged))
+                s = self._best_of(chain(self._protected.items(), self._gradients.items(), flagged))
                 return s if s is not None else self._best_of(self._stashed.items())
             buf[i] = _INF
             self._examine(i)
@@ -216,6 +220,8 @@ class CandidateIndex:
         s = self._rows[slot]
         if s is None or s.slot != slot or s.state is not RESIDENT:
             self._free_row(slot)
+        elif s.backward:  # Note [Gradients are a last resort] in runtime.py
+            self._gradient(slot, s)
         elif s.protected or s.sid >= self._protected_from:  # protected while it had a row
             self._protect(slot, s)
         elif s.locks:
@@ -237,7 +243,7 @@ class CandidateIndex:
         """Give a storage that became resident a row (with an exact bound)."""
         if not self._free:
             self._grow()
-        protected = s.protected or s.sid >= self._protected_from
+        protected = s.protected or s.backward or s.sid >= self._protected_from
         active = not protected and self._recomputable(s) and s.nbytes >= self._small_below
         if active:  # before taking a slot: a key that raises leaves nothing half done
             key, floor = self._key(s), self._floor(s)
@@ -245,7 +251,9 @@ class CandidateIndex:
         self._rows[slot] = s
         s.slot = slot
         self._used += 1
-        if protected:
+        if s.backward:
+            self._gradient(slot, s)
+        elif protected:
             self._protect(slot, s)
         elif active:
             self._set(slot, s, key, floor)
@@ -276,6 +284,7 @@ class CandidateIndex:
         self._parked.pop(slot, None)
         self._stashed.pop(slot, None)
         self._protected.pop(slot, None)
+        self._gradients.pop(slot, None)
         if s is not None and s.slot == slot:
             s.slot = None
 
@@ -346,6 +355,10 @@ class CandidateIndex:
         self._protected[slot] = s
         self._deactivate(slot)
 
+    def _gradient(self, slot: int, s: Storage) -> None:
+        self._gradients[slot] = s
+        self._deactivate(slot)
+
     def _unprotect(self) -> None:
         """Rows no longer protected (the window moved past them, ``Runtime.unprotect`` named
         them) go back to their tier. O(protected rows) per round, like parked ones."""
@@ -399,5 +412,5 @@ class CandidateIndex:
         assert len(set(self._free)) == len(self._free) == len(self._rows) - used, "free list"
         for slot in self._free:
             assert self._rows[slot] is None and self._bound[slot] == _INF, f"free slot {slot}"
-        for slot in list(self._parked) + list(self._stashed) + list(self._protected):
+        for slot in list(self._parked) + list(self._stashed) + list(self._protected) + list(self._gradients):
             assert self._bound[slot] == _INF and self._floors[slot] == _INF, f"slot {slot} active"

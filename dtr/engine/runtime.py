@@ -216,6 +216,7 @@ class Runtime:
         self._sid = 0
         self._pins: dict = {}  # Storage -> pins (locks held between ops for a plan)
         self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
+        self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
         self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
         # Prefetched storages whose copy may still be landing -> the executor's pending handle:
@@ -575,6 +576,8 @@ class Runtime:
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
         s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)
+        if self._backward:
+            s.backward = True  # Note [Gradients are a last resort]
         self.resident[s] = None
         self._all[s] = None
         if self._untrack is not None:
@@ -813,7 +816,7 @@ class Runtime:
             if s.locks == 0:
                 rec = s.parent
                 if (rec is not None and rec.replayable) or host is not None:
-                    tier = (protected if s.protected or s.sid >= protected_from
+                    tier = (protected if s.protected or s.backward or s.sid >= protected_from
                             else heap if s.nbytes >= small_below else small)
                     tier.append((score(s, now), s.sid, s))
         heapify(heap)
@@ -1081,6 +1084,28 @@ class Runtime:
                 del pins[c.storage]
         self.unlock(cells)
 
+    def set_backward(self, on: bool) -> None:
+        """Say whether the program's ops now run in a backward pass (the driver calls it when
+        that changes): storages made while ``on`` are a last resort of eviction for as long
+        as they live.
+
+        Note [Gradients are a last resort]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        What a backward pass makes is gradients, and their lineage runs through the
+        gradients before them, which die as soon as they are consumed: recomputing one
+        replays the backward pass down to it, and the forward ops that pass read, where
+        recomputing an activation replays forward ops from the nearest resident ancestor.
+        The heuristics cannot see the difference. In a backward pass the dead forward pass
+        and the dead gradients form one evicted neighbourhood, which every candidate
+        borders, so h_DTR^eq's cost term is the same for all of them and the oldest go
+        first: the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate
+        gradients, all read by one ``stack`` at the end; a tree node's children's). So
+        they are a last resort for life (``Storage.backward``; the tier of ``protect``):
+        evicted only when no activation of ordinary size can go. On the shipped traces this changes nothing for the
+        feed-forward models and saves recurrent ones from thrashing (docs/heuristics.md).
+        """
+        self._backward = on
+
     def protect_new(self, on: bool) -> None:
         """With ``on``, storages made from this call on are evicted (or swapped) only when no
         other storage of ordinary size can go (before the small ones), until the next call: a
@@ -1244,6 +1269,7 @@ class Runtime:
         finally:
             self.budget = saved
             self.closed = True
+            self._backward = False
             # Values that outlive the block must be readable, also when it ended in an error.
             for pending in self.arriving.values():
                 self.executor.arrive(pending)

@@ -93,6 +93,7 @@ class Storage:
         "hdata",
         "slot",
         "protected",
+        "backward",
         "__weakref__",
     )
 
@@ -132,6 +133,8 @@ class Storage:
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
         self.protected = 0  # protections held (Runtime.protect): a last resort of eviction
+        # Made in a backward pass (Runtime.set_backward): a last resort of eviction for life.
+        self.backward = False
 
     @property
     def root(self) -> "Storage":

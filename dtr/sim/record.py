@@ -203,6 +203,11 @@ class RecordingRuntime(Runtime):
             return super().unpin(cells)
         self._call({"e": "unpin", "cells": [self._cid(c) for c in cells]}, super().unpin, cells)
 
+    def set_backward(self, on: bool) -> None:
+        if self._depth:
+            return super().set_backward(on)
+        self._call({"e": "backward", "on": on}, super().set_backward, on)
+
     def protect_new(self, on: bool) -> None:
         if self._depth:
             return super().protect_new(on)

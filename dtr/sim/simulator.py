@@ -261,6 +261,8 @@ def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.unpin([cell(c) for c in event["cells"]])
         elif kind == "evict":
             rt.evict([cell(c).storage for c in event["cells"]])
+        elif kind == "backward":
+            rt.set_backward(event["on"])
         elif kind == "protect_new" or (kind == "protect" and "on" in event):  # "protect"+"on": before aac6064
             rt.protect_new(event["on"])
         elif kind == "protect":

@@ -44,6 +44,8 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: these cells locked resident
   until unpinned (seeded runs' checkpoints before 9db1eca; they are protected now); ``{"e": "evict", "cells": [roots]}``: a plan drops
   these storages (those that can go) as soon as they are consumed.
+- ``{"e": "backward", "on": bool}``: the program's ops run in a backward pass from here on,
+  or no longer (``Runtime.set_backward``); traces without it ran none as such.
 - ``{"e": "protect_new", "on": bool}``: storages made from here on are a last resort (a plan's
   backward stage began), or no longer (``Runtime.protect_new``).
 - ``{"e": "protect", "cells": [roots]}`` / ``{"e": "unprotect", ...}``: these storages are a
