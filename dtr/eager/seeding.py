@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from dtr.eager.tensor import DTRTensor
-from dtr.engine import State, Storage
+from dtr.engine import PeakMeter, State, Storage
 from dtr.errors import InfeasibleBudgetError
 from dtr.planner import Chain, Plan, solve
 from dtr.planner.hints import StageHint, forward_hints
@@ -90,7 +90,7 @@ class _Profile:
         self.stage: Optional[int] = None  # stage whose backward is running
         self.t0 = 0.0
         self.m0 = 0
-        self.saved_peak = 0
+        self.meter: Optional[PeakMeter] = None  # the running backward stage's
 
     def groups(self) -> List[Tuple[int, int]]:
         """Planning stages as ``(first, last)`` module indexes: a module whose output the next
@@ -134,7 +134,7 @@ class _Pass:
         self.start_sid = 0
         self.t0 = 0.0
         self.m0 = 0
-        self.saved_peak = 0
+        self.meter: Optional[PeakMeter] = None  # the running profiled stage's
         self.previous: List[Storage] = []  # output storages of the previous (planning) stage
         self.made: Dict[int, List[Storage]] = {}  # planning stage (last module) -> what its forward made
         self.kept: Dict[int, List[Storage]] = {}  # F_all stage -> its tape, protected until its backward ends
@@ -224,7 +224,9 @@ class Seeding:
                 p.t0 = self.driver.op_seconds
                 p.m0 = rt.memory
                 if p.mode == "profile":
-                    p.saved_peak, rt.peak = rt.peak, rt.memory
+                    if p.meter is not None:  # the stage raised last time: measure it afresh
+                        p.meter.stop()
+                    p.meter = rt.meter()
 
         return pre
 
@@ -273,8 +275,8 @@ class Seeding:
                     prof = p.profile
                     prof.forward[k] = self.driver.op_seconds - p.t0
                     prof.output[k] = sum(s.nbytes for s in outs)
-                    prof.forward_peak[k] = rt.peak - p.m0
-                    rt.peak = max(rt.peak, p.saved_peak)
+                    prof.forward_peak[k] = p.meter.stop() - p.m0
+                    p.meter = None
                     prof.storages[k] = made
                     if k and any(s.forward is not None for s in p.previous):
                         prof.fused[k - 1] = True
@@ -469,7 +471,7 @@ class Seeding:
                 self._close_stage(prof, rt)
             if k >= 0:
                 prof.stage, prof.t0, prof.m0 = k, d.op_seconds, rt.memory
-                prof.saved_peak, rt.peak = rt.peak, rt.memory
+                prof.meter = rt.meter()
                 # Tape that DTR evicted comes back during this backward: not an overhead.
                 prof.m0 += sum(s.nbytes for s in prof.storages[k] if s.state is State.EVICTED)
             else:
@@ -480,8 +482,7 @@ class Seeding:
         if j is None or j < 0:
             return
         prof.backward[j] = self.driver.op_seconds - prof.t0
-        prof.backward_peak[j] = rt.peak - prof.m0
-        rt.peak = max(rt.peak, prof.saved_peak)
+        prof.backward_peak[j] = prof.meter.stop() - prof.m0
 
     def _backward_done(self, seg: _Segment, p: _Pass) -> None:
         prof = p.profile
