@@ -4,7 +4,7 @@ The first step with an input shape profiles the segment; later steps follow the 
 sweep (tapes dropped, checkpoints pinned) and leave the backward recomputations to DTR. Every
 step must still give eager's values and gradients bit for bit. Most tests zero gradients in
 place (they exist before each block): the rotor DPs do not model gradients made in the block,
-which the engine charges until it ends (dtr/eager/seeding.py).
+which the engine charges until it ends (Note [Seeding] in dtr/eager/seeding/__init__.py).
 """
 
 from __future__ import annotations
