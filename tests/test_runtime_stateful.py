@@ -51,6 +51,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.rt = Runtime(None, make_heuristic("dtr_eq"), self.ex)
         self.n = 0
         self.live = []  # handles the program holds
+        self.metered = None  # the runtime the meters below are of
+        self._watch_peaks()
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -231,10 +233,45 @@ class RuntimeMachine(RuleBasedStateMachine):
         if rec is not None:
             self.ex.retired[id(rec)] = rec
 
+    def _watch_peaks(self):
+        """Meters of ``self.rt`` from its start (a subclass may replace it before any op:
+        test_heuristics.py)."""
+        if self.metered is not self.rt:
+            self.metered = self.rt
+            self.whole = self.rt.meter()  # open from the start: must read the runtime's peak
+            self.meters = {}  # open PeakMeter -> the peak it read last
+            self.stopped = {}  # stopped PeakMeter -> the peak it froze at
+
+    @rule()
+    def start_meter(self):
+        self._watch_peaks()
+        m = self.rt.meter()
+        self.meters[m] = m.peak
+
+    @precondition(lambda self: self.meters)
+    @rule(data=st.data())
+    def stop_meter(self, data):
+        m = data.draw(st.sampled_from(sorted(self.meters, key=id)))
+        del self.meters[m]
+        self.stopped[m] = m.stop()
+
     @invariant()
     def invariants(self):
         self.rt.drain()
         self.rt.check_invariants()
+
+    @invariant()
+    def meters_read_their_peaks(self):
+        """Other meters starting and stopping never change what one reads: the meter open since
+        the start reads the runtime's peak, the others a rising value between the bytes
+        charged now and that peak, and a stopped one what it read when it stopped."""
+        self._watch_peaks()
+        rt = self.rt
+        assert self.whole.peak == rt.peak
+        for m, last in self.meters.items():
+            assert last <= m.peak and rt.memory <= m.peak <= rt.peak
+            self.meters[m] = m.peak
+        assert all(m.peak == frozen for m, frozen in self.stopped.items())
 
     def teardown(self):
         # At the end every handle the program holds must still read its expected value.
@@ -362,4 +399,29 @@ def test_an_old_version_made_permanent_stays():
     rt.unlock([versions[-1]])
     assert [v.storage.state.name for v in versions] == ["RELEASED", "RESIDENT", "EVICTED", "RESIDENT"]
     rt.check_invariants()
+    rt.close()
+
+
+def test_a_peak_meter_reads_the_most_bytes_since_it_started():
+    """A meter reads the most bytes charged since it started, however the runtime's own peak
+    compares, and stops there; meters started later or stopped earlier change nothing."""
+    rt = Runtime(None, make_heuristic("dtr_eq"), FakeExecutor())
+    keep = {}
+    big = _op(rt, [], 1000, "big", keep)
+    del keep["big"], big
+    gc.collect()
+    rt.drain()
+    assert (rt.memory, rt.peak) == (0, 1000)
+    outer = rt.meter()
+    _op(rt, [], 100, "a", keep)
+    inner = rt.meter()
+    assert (outer.peak, inner.peak) == (100, 100)
+    _op(rt, [], 50, "b", keep)
+    assert inner.stop() == 150
+    _op(rt, [], 30, "c", keep)
+    assert (outer.peak, inner.peak, rt.peak) == (180, 150, 1000)
+    late = rt.meter()
+    _op(rt, [], 900, "d", keep)
+    assert (outer.stop(), late.stop(), rt.peak) == (1080, 1080, 1080)
+    assert outer.stop() == 1080  # stopping twice changes nothing
     rt.close()

@@ -4,7 +4,7 @@ The first step with an input shape profiles the segment; later steps follow the 
 sweep (tapes dropped, checkpoints pinned) and leave the backward recomputations to DTR. Every
 step must still give eager's values and gradients bit for bit. Most tests zero gradients in
 place (they exist before each block): the rotor DPs do not model gradients made in the block,
-which the engine charges until it ends (dtr/eager/seeding.py).
+which the engine charges until it ends (Note [Seeding] in dtr/eager/seeding/__init__.py).
 """
 
 from __future__ import annotations
@@ -381,3 +381,49 @@ def test_passes_without_backward_release_their_plan_state():
         assert torch.equal(dtr.materialize(loss), eager.loss)
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), eager.grads))
     assert any(p is not None for plans in engine.plans() for p in plans.values())
+
+
+class _FailsForward(torch.nn.Module):
+    def forward(self, x):
+        x.tanh()
+        raise RuntimeError("the stage failed")
+
+
+class _FailsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the stage's backward failed")
+
+
+class _FailsBackwardModule(torch.nn.Module):
+    def forward(self, x):
+        return _FailsBackward.apply(x)
+
+
+@pytest.mark.parametrize("failing", [_FailsForward, _FailsBackwardModule])
+def test_a_profiled_stage_that_raises_leaves_the_peak_right(failing):
+    """A stage that raises while it is profiled (in its forward or its backward) leaves
+    ``peak_resident_bytes`` what the same program reports without a plan: the stage's
+    measurement never lowers the engine's own peak, here set by a large tensor freed
+    before the segment runs."""
+    torch.manual_seed(0)
+    segment = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), failing())
+    x = torch.randn(32, 64)
+
+    def program():
+        spike = x.repeat(64, 16)  # 8 MiB, freed at once
+        del spike
+        with pytest.raises(RuntimeError, match="failed"):
+            segment(x).sum().backward()
+
+    peaks = []
+    for plan in (None, [segment]):
+        engine = dtr.budget("1 GB", cost="estimate", plan=plan)
+        with engine:
+            program()
+        peaks.append(engine.stats().peak_resident_bytes)
+    assert peaks[0] >= 32 * 64 * 64 * 16 * 4 and peaks[1] == peaks[0]

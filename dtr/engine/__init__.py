@@ -17,7 +17,7 @@ from dtr.engine.heuristics import (
     make_heuristic,
     register_heuristic,
 )
-from dtr.engine.runtime import Executor, Runtime
+from dtr.engine.runtime import Executor, PeakMeter, Runtime
 from dtr.engine.storage import Cell, OpRecord, State, Storage
 from dtr.engine.telemetry import Counters, Stats
 
@@ -32,6 +32,7 @@ __all__ = [
     "LRU",
     "MSPS",
     "OpRecord",
+    "PeakMeter",
     "Random",
     "Runtime",
     "Size",

@@ -42,7 +42,7 @@ from dtr.engine.swap import HostTier
 from dtr.engine.telemetry import Counters
 from dtr.errors import OutOfBudgetError, ThrashingError
 
-__all__ = ["Executor", "Ref", "Runtime"]
+__all__ = ["Executor", "PeakMeter", "Ref", "Runtime"]
 
 RESIDENT = State.RESIDENT
 EVICTED = State.EVICTED
@@ -156,6 +156,41 @@ def _deepest(cells: List[Cell]) -> Cell:
     return best
 
 
+# Note [Peak meters]
+# ~~~~~~~~~~~~~~~~~~
+# The places that charge bytes keep one high-water mark, ``_high``: the most bytes charged
+# since the latest meter started (or since the runtime did). Starting a meter folds ``_high``
+# into every open meter and into ``_earlier_peak``, then restarts it from the bytes charged
+# now; a peak (the runtime's, or an open meter's) is the larger of what was folded into it and
+# ``_high``. So an op pays one comparison whatever the number of meters open, starting a meter
+# costs O(open meters), and no meter can lower the runtime's peak: a stage that raises before
+# its meter stops leaves ``peak`` right.
+class PeakMeter:
+    """The most bytes charged to a runtime since ``Runtime.meter()`` made this meter (the
+    bytes charged then, at least); ``stop()`` freezes it. Meters may overlap and nest."""
+
+    __slots__ = ("_runtime", "_peak")
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self._runtime: Optional[Runtime] = runtime
+        self._peak = runtime.memory
+
+    @property
+    def peak(self) -> int:
+        """The most bytes charged since the meter started, until it stopped."""
+        rt = self._runtime
+        return self._peak if rt is None or rt._high < self._peak else rt._high
+
+    def stop(self) -> int:
+        """Stop measuring (the runtime forgets this meter) and return ``peak``. Idempotent."""
+        rt = self._runtime
+        if rt is not None:
+            self._peak = self.peak
+            rt._meters.remove(self)
+            self._runtime = None
+        return self._peak
+
+
 class Runtime:
     """One DTR engine instance: the storages of one ``dtr.budget`` block.
 
@@ -192,7 +227,9 @@ class Runtime:
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
         self.memory = 0  # charged bytes: resident storages, copies out in flight, ``held``
-        self.peak = 0
+        self._high = 0  # Note [Peak meters]
+        self._earlier_peak = 0
+        self._meters: List[PeakMeter] = []
         # Note [Held gradients]
         # ~~~~~~~~~~~~~~~~~~~~~
         # A parameter's ``.grad`` made in the block is handed to the program as a plain tensor
@@ -228,6 +265,25 @@ class Runtime:
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
+
+    @property
+    def peak(self) -> int:
+        """The most bytes charged at once since the runtime started."""
+        return self._high if self._high > self._earlier_peak else self._earlier_peak
+
+    def meter(self) -> PeakMeter:
+        """A ``PeakMeter`` of the bytes charged from now on, e.g. during one stage of a program
+        (Note [Peak meters]); ``stop()`` it when done. O(meters open)."""
+        high = self._high
+        for m in self._meters:
+            if high > m._peak:
+                m._peak = high
+        if high > self._earlier_peak:
+            self._earlier_peak = high
+        self._high = self.memory
+        m = PeakMeter(self)
+        self._meters.append(m)
+        return m
 
     # ------------------------------------------------------------------ wrappers
 
@@ -482,8 +538,8 @@ class Runtime:
                     views = True
             # Note [Views held weakly]
             rec.outputs = [c if type(c) is Storage else _weak(c) for c in outs] if views else outs
-            if self.memory > self.peak:
-                self.peak = self.memory
+            if self.memory > self._high:
+                self._high = self.memory
             if added and self.budget is not None and self.memory > self.budget:
                 self._fit_outputs(rec, new, len(mutated))
             self._wire(rec, new, now)
@@ -733,8 +789,8 @@ class Runtime:
                 and self.budget is not None
             ):
                 raise ThrashingError(self.budget, rec.name, c.rematerializations, c.remat_cost / (self.work or 1e-12))
-        if self.memory > self.peak:
-            self.peak = self.memory
+        if self.memory > self._high:
+            self._high = self.memory
         if added and self.budget is not None and self.memory > self.budget:
             self._evict_to(self.budget, f"{rec.name} (recomputing an evicted tensor)")
 
@@ -979,8 +1035,8 @@ class Runtime:
             c.swaps_in += 1
             c.swap_stall += waited
             self.host.log.swap_ins.append((self.clock, s.sid, s.nbytes))
-        if self.memory > self.peak:
-            self.peak = self.memory
+        if self.memory > self._high:
+            self._high = self.memory
         if not prefetch and self.budget is not None and self.memory > self.budget:
             s.locks += 1  # its reader has not locked it yet
             try:
@@ -1221,8 +1277,8 @@ class Runtime:
         self.held[key] = nbytes
         self.held_bytes += nbytes - old
         self.memory += nbytes - old
-        if self.memory > self.peak:
-            self.peak = self.memory
+        if self.memory > self._high:
+            self._high = self.memory
         if nbytes > old and self.budget is not None and self.memory > self.budget:
             try:
                 self._evict_to(self.budget, "keeping a gradient made in the block")

@@ -17,7 +17,7 @@ the ``F_ck``/``F_none`` checkpoints let DTR evict ``F_all`` outputs, and the see
 recomputed 1.13-1.22x the plan's compute at 0.7-0.5 of peak; pinning all kept outputs brought it
 to 1.00-1.01x at 0.9-0.6. Pinning whole ``F_all`` tapes as well made it worse, and some budgets
 infeasible: DTR needs room to move. The seeding runtime now *protects* checkpoints and tapes
-instead, a last resort of eviction rather than a lock, dtr/eager/seeding.py.)
+instead, a last resort of eviction rather than a lock, dtr/eager/seeding/applying.py.)
 """
 
 from __future__ import annotations
