@@ -39,7 +39,6 @@ and they cannot be evicted, so the plan gets what is left.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +47,7 @@ import torch.nn as nn
 from dtr.eager.tensor import DTRTensor
 from dtr.engine import State, Storage
 from dtr.errors import InfeasibleBudgetError
+from dtr.log import logger, warn
 from dtr.planner import Chain, Plan, solve
 from dtr.planner.hints import StageHint, forward_hints
 
@@ -507,9 +507,10 @@ class Seeding:
                 raise InfeasibleBudgetError(f"the segment has no room: {before} bytes are in use before it", 0)
             return solve(chain, share)
         except InfeasibleBudgetError as e:
+            logger.debug("no plan fits a segment's share of the budget (%d bytes): plain DTR there", max(share, 0))
             if not self._warned:
                 self._warned = True
-                warnings.warn(
+                warn(
                     f"dtr: no plan fits the segment's share of the budget ({max(share, 0)} bytes; "
                     f"{e}); it runs under plain DTR",
                     stacklevel=2,
