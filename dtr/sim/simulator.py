@@ -67,7 +67,7 @@ class SimResult:
         return self.total_cost / self.base_cost if self.base_cost else 1.0
 
 
-class _Executor:
+class SimExecutor:
     """Replays a record by returning placeholders and its recorded cost."""
 
     views_alias_data = True  # as under torch, so that writes carry view values the same way
@@ -157,11 +157,11 @@ def simulate(
     peak = evictions = eager = remats = 0
     error = None
     for block in tr.blocks:
-        rt = Runtime(limit, make_heuristic(heuristic), _Executor())
+        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor())
         if swap:
             rt.host = HostTier(bandwidth, host_bytes, log)
         try:
-            base += _run_block(rt, block)
+            base += run_block(rt, block)
         except OutOfBudgetError as e:
             error = str(e)
         finally:
@@ -196,8 +196,9 @@ def simulate(
     )
 
 
-def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
-    """Feed one block's events to ``rt``; returns the recorded cost of its ops."""
+def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
+    """Feed one block's events to ``rt`` (a fresh runtime with a ``SimExecutor``); returns
+    the recorded cost of its ops. ``dtr.timeline`` watches a block this way."""
     cells: Dict[int, Any] = {}
     wrappers: Dict[int, _Wrapper] = {}
     cost = 0.0
