@@ -100,6 +100,7 @@ def budget_curve(
     heuristic: Union[str, Heuristic] = "dtr_eq",
     points: int = 10,
     granularity: Union[int, str, None] = None,
+    max_recompute: Optional[float] = 10.0,
 ) -> BudgetCurve:
     """Simulate ``trace`` over a range of budgets: the slowdown curve and the lowest feasible
     budget.
@@ -111,10 +112,13 @@ def budget_curve(
         heuristic: a heuristic name or object, as for ``dtr.simulate``.
         granularity: resolution of the search for the lowest feasible budget (bytes or a size
             string); default: 0.5% of the unlimited peak. 0 skips the search.
+        max_recompute: a budget whose replays cost more than this many times the block's ops
+            (after 1,000 replays) counts as infeasible, as ``dtr.budget`` would stop it with
+            ``ThrashingError`` (same default); None: only budgets that cannot fit at all are.
 
     Every simulation replays the whole trace, so the time is about ``points`` plus ``log2(peak
-    / points / granularity)`` simulations; budgets where the model thrashes take longest (the
-    simulator has no ``max_recompute``).
+    / points / granularity)`` simulations; ``max_recompute`` also keeps a thrashing budget from
+    running for minutes.
 
     Raises:
         ValueError: on a bad trace, budget, heuristic, ``points`` or ``granularity``.
@@ -135,7 +139,7 @@ def budget_curve(
 
     def run(budget: int) -> BudgetPoint:
         if budget not in results:
-            r = simulate(tr, budget, heuristic)
+            r = simulate(tr, budget, heuristic, max_recompute=max_recompute)
             results[budget] = BudgetPoint(budget, r.feasible, r.slowdown, r.evictions, r.rematerializations, r.peak_bytes)
         return results[budget]
 

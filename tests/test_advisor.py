@@ -20,8 +20,8 @@ def test_the_lowest_feasible_budget_runs_and_one_granularity_below_does_not(curv
     low, below = curve.lowest_feasible, curve.infeasible_below
     assert low is not None and below is not None
     assert 0 < low - below <= curve.granularity == curve.peak_bytes // 200
-    assert dtr.simulate(TRACE, low).feasible
-    assert not dtr.simulate(TRACE, below).feasible
+    assert dtr.simulate(TRACE, low, max_recompute=10.0).feasible
+    assert not dtr.simulate(TRACE, below, max_recompute=10.0).feasible
     # The search is in the curve, and narrowed the grid's answer.
     assert [p.budget for p in curve.points] == sorted(p.budget for p in curve.points)
     assert {low, below} <= {p.budget for p in curve.points}
@@ -34,7 +34,7 @@ def test_the_lowest_feasible_budget_runs_and_one_granularity_below_does_not(curv
 def test_the_curve_is_the_simulator_s(curve):
     assert curve.peak_bytes == dtr.simulate(TRACE, None).peak_bytes
     for p in curve.points[::3]:
-        r = dtr.simulate(TRACE, p.budget)
+        r = dtr.simulate(TRACE, p.budget, max_recompute=10.0)
         assert (p.feasible, p.slowdown, p.evictions, p.rematerializations) == (
             r.feasible, r.slowdown, r.evictions, r.rematerializations)
     top = curve.points[-1]

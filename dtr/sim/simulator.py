@@ -119,6 +119,7 @@ def simulate(
     swap: bool = False,
     bandwidth: Optional[float] = None,
     host_limit: Union[int, str, None] = None,
+    max_recompute: Optional[float] = None,
 ) -> SimResult:
     """Replay ``trace`` (a path or a loaded ``Trace``) through the engine under ``budget``.
 
@@ -135,6 +136,9 @@ def simulate(
         heuristic: a registered name (``dtr.heuristic_names()``) or a heuristic object.
         swap: also swap to a host tier (as ``dtr.budget(..., swap=True)``), at ``bandwidth``
             bytes per second (required with swap), holding at most ``host_limit`` bytes.
+        max_recompute: stop a block whose replays cost more than this many times its ops, as
+            ``dtr.budget`` does (Note [Thrashing]): infeasible, with the ``ThrashingError``'s
+            message. None (the default): never; a thrashing budget then runs to its end.
 
     Returns:
         A ``SimResult``. An infeasible budget gives ``feasible=False``, not an exception.
@@ -157,7 +161,7 @@ def simulate(
     peak = evictions = eager = remats = 0
     error = None
     for block in tr.blocks:
-        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor())
+        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute)
         if swap:
             rt.host = HostTier(bandwidth, host_bytes, log)
         try:
