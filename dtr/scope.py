@@ -236,10 +236,9 @@ class Engine:
             if self._seeding is not None:
                 self._seeding.detach()
             self._gradient_bytes = rt.held_bytes  # the block's end stops charging them
-            if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
-                rt.events.raised(exc, rt)
             with rt.lock:
-                rt.drain()
+                if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
+                    rt.events.raised(exc, rt)
                 self._holdings = holdings(rt)
             recomputed = driver.close()
             if self._sampler is not None:
