@@ -4,9 +4,9 @@ Quiet by default, as a library should be: the logger has only a ``NullHandler``,
 printed unless the program configures logging (``logging.basicConfig(level=logging.DEBUG)``, or
 ``logging.getLogger("dtr").setLevel(...)`` with a handler of its own). ``DTR_DEBUG=1`` in the
 environment (any value but ``0``) turns debug logging on without code: the logger gets level DEBUG and, if it has no
-handler of its own yet, one that writes to stderr. The variable is read when ``dtr`` is
-imported and again as each ``dtr.budget`` block starts; ``DTR_DEBUG=0`` or unset changes
-nothing (a level the program set stays).
+handler of its own yet, one that writes to stderr. The variable is read when this module is
+first imported (by the first block, or the planner) and again as each ``dtr.budget`` block
+starts; ``DTR_DEBUG=0`` or unset changes nothing (a level the program set stays).
 
 Per-event messages (an eviction, a replay) are written only when debug logging is on at the
 start of a block: the engine checks once per block, never per op.
