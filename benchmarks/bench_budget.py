@@ -33,6 +33,7 @@ from dtr.testing.step import budget_at, fresh_model
 from dtr.testing.zoo import build, on_device
 
 sys.path.insert(0, str(Path(__file__).parent))
+from progress import progress  # noqa: E402
 from provenance import commit, machine  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "budget.jsonl"
@@ -90,7 +91,7 @@ def main() -> None:
     print(f"{'model':12} {'fraction':>8} {'budget':>8} {'of peak':>7} {'true peak':>10} {'over':>7} {'eager':>8} "
           f"{'grads':>7} {'evictions':>9}   (MiB; over = true peak - budget)")
     with open(args.out, "a") as out:
-        for name in args.models:
+        for name in progress(args.models, "models"):
             for row in rows_for(name, args.fractions, args.device):
                 out.write(json.dumps(dict(row, **stamp)) + "\n")
                 if "error" in row:

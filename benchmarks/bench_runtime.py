@@ -88,6 +88,7 @@ import dtr
 from dtr.testing.step import run_step
 from dtr.testing.zoo import MODELS, build
 
+from progress import progress
 from provenance import commit, machine
 
 RESULTS = Path(__file__).parent / "results" / "runtime.jsonl"
@@ -486,7 +487,7 @@ def run_models(args, base, out) -> None:
           "faults per step, median)")
     print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} "
           f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7}  status")
-    for name in args.models:
+    for name in progress(args.models, "models"):
         eager, _, unlimited = every = [Series(m, None) for m in ("eager", "passthrough", "dtr_unlimited")]
         fixed = [Series(f"dtr_{f:g}x_peak", None) for f in args.fractions]
         f_of = dict(zip(fixed, args.fractions))

@@ -73,6 +73,7 @@ from dtr.testing.step import fresh_model, timed_step
 
 from bench_runtime import RunTimeout, time_limit
 from plotting import pyplot
+from progress import progress
 from provenance import commit, machine
 
 HERE = Path(__file__).parent
@@ -163,7 +164,7 @@ def run_sim(args, base: dict, out) -> List[dict]:
           f"X infeasible, T timeout (> {args.sim_time_limit:g} s)")
     print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
-    for name in args.models:
+    for name in progress(args.models, "simulated"):
         path = args.traces / f"{name}.jsonl.gz"
         if not path.exists():
             print(f"{name}: no trace at {path}; record it with --record")
@@ -334,7 +335,7 @@ def run_real(args, base: dict, out) -> List[dict]:
     print(f"{'model':<16} {'heuristic':<22} {'frac':>5} {'budget MiB':>10} {'eager ms':>9} {'ms':>9} {'ratio':>6} "
           f"{'max/med':>7} {'evict':>6} {'remat':>6} {'true MiB':>9} {'/eager':>6} {'fresh MiB':>9} {'/eager':>6}  status")
     rows = []
-    for name in args.models:
+    for name in progress(args.models, "real steps"):
         w = zoo.build(name, PRESET)
         model = fresh_model(w)
         timed_step(w, model)  # warm-up; it also allocates the gradients true_peaks zeroes

@@ -9,10 +9,15 @@ recomputing them when needed, at run time, with no tracing and no changes to the
         loss.backward()          # parameters' .grad are plain tensors
     engine.budget = "4 GiB"      # change it at run time
     print(engine.stats())
+    print(engine.explain())      # what holds the budget, what was evicted and replayed, why it failed
 
 The torch-facing names (and the planner, which needs NumPy) are imported on first use, so
 that the torch-free parts (``dtr.engine``, ``dtr.planner``) can be imported, and tested,
 without torch. ``dtr.HAS_NATIVE`` says whether the planner's native solver is in use.
+
+To see what the engine does: ``engine.explain()``; ``dtr.budget(..., timeline=True)`` then
+``engine.plot_timeline()``, or ``dtr.plot(trace)`` for a recorded trace; ``dtr.budget_curve(trace)``
+to pick a budget before training; the ``dtr`` logger (``DTR_DEBUG=1`` turns on debug logging).
 """
 
 from importlib import import_module
@@ -21,6 +26,7 @@ from dtr.engine import Heuristic, Stats, heuristic_names, register_heuristic
 from dtr.errors import DTRError, InfeasibleBudgetError, OutOfBudgetError, ThrashingError
 
 __all__ = [
+    "BudgetCurve",
     "DTRError",
     "DTRTensor",
     "Engine",
@@ -31,10 +37,13 @@ __all__ = [
     "SimResult",
     "Stats",
     "ThrashingError",
+    "Timeline",
     "budget",
+    "budget_curve",
     "heuristic_names",
     "materialize",
     "planner",
+    "plot",
     "register_heuristic",
     "simulate",
 ]
@@ -47,6 +56,10 @@ _LAZY = {
     "HAS_NATIVE": "dtr.planner",
     "simulate": "dtr.sim",
     "SimResult": "dtr.sim",
+    "Timeline": "dtr.timeline",
+    "plot": "dtr.figures",
+    "budget_curve": "dtr.advisor",
+    "BudgetCurve": "dtr.advisor",
 }
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -32,15 +31,19 @@ from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.swap import measure_bandwidth
 from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
+from dtr.engine.events import Events, holdings
 from dtr.engine.swap import HostTier
 from dtr.errors import DTRError, OutOfBudgetError
+from dtr.explain import Report, report
+from dtr.log import apply_env, warn
 from dtr.sim.record import RecordingRuntime
 from dtr.sim.trace import TraceWriter
+from dtr.timeline import Recorder, Timeline
 
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total", "max_recompute")
+_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total", "max_recompute", "timeline")
 
 
 class Engine:
@@ -65,6 +68,7 @@ class Engine:
         bandwidth: Optional[float] = None,
         total: bool = False,
         max_recompute: Optional[float] = 10.0,
+        timeline: bool = False,
     ) -> None:
         self._budget = parse_bytes(limit)
         if max_recompute is not None and not (
@@ -75,6 +79,13 @@ class Engine:
         if not isinstance(total, bool):
             raise ValueError(f"dtr.budget: total must be True or False, got {total!r}")
         self._total = total
+        if not isinstance(timeline, bool):
+            raise ValueError(f"dtr.budget: timeline must be True or False, got {timeline!r}")
+        self._record_timeline = timeline
+        # The last (or current) block, for explain() and timeline(): plain data only.
+        self._events: Optional[Events] = None
+        self._holdings: list = []  # at the last block's end (Report.moment)
+        self._sampler: Optional[Recorder] = None
         make_heuristic(heuristic)  # fail now, not at __enter__, on an unknown name
         self._heuristic = heuristic
         if cost not in COST_MODES:
@@ -121,7 +132,11 @@ class Engine:
         if d is not None:
             with d.rt.lock:
                 d.rt.drain()
-                d.set_limit(b)
+                try:
+                    d.set_limit(b)
+                except OutOfBudgetError as e:
+                    d.rt.events.raised(e, d.rt)
+                    raise
         self._budget = b
         if self._seeding is not None and d is not None:
             self._seeding.budget = d.rt.budget  # plans are solved per budget (cached)
@@ -151,6 +166,7 @@ class Engine:
             raise DTRError("this engine's block is already active (on another thread)")
         if torch.compiler.is_compiling():
             raise DTRError("dtr.budget cannot be entered inside torch.compile'd code")
+        apply_env()
         accumulation.calibrate()
         heuristic = make_heuristic(self._heuristic)
         runtime = Runtime
@@ -187,6 +203,8 @@ class Engine:
         parallel = data_parallel.register()
         if parallel is not None:
             self._hooks.append(parallel)
+        self._events = driver.rt.events = Events()
+        self._sampler = driver.rt.on_op = Recorder() if self._record_timeline else None
         self._driver = driver
         if self._seeding is not None:
             self._seeding.attach(driver, driver.rt.budget)
@@ -212,12 +230,19 @@ class Engine:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         driver, mode = self._driver, self._mode
+        rt = driver.rt
         try:
             mode.__exit__(exc_type, exc, tb)
             if self._seeding is not None:
                 self._seeding.detach()
-            self._gradient_bytes = driver.rt.held_bytes  # the block's end stops charging them
+            self._gradient_bytes = rt.held_bytes  # the block's end stops charging them
+            with rt.lock:
+                if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
+                    rt.events.raised(exc, rt)
+                self._holdings = holdings(rt)
             recomputed = driver.close()
+            if self._sampler is not None:
+                self._sampler.end(rt)
         finally:
             if isinstance(driver.rt, RecordingRuntime):
                 driver.rt.writer.close()
@@ -228,7 +253,7 @@ class Engine:
             self._absorb(driver)
             self._driver = self._mode = None
         if recomputed and exc_type is None:
-            warnings.warn(
+            warn(
                 f"dtr: {recomputed} ops were replayed at block exit to recompute tensors that "
                 "were still referenced but had been evicted (often: activations saved for a "
                 "backward() that runs after the block). Run backward() inside the block to "
@@ -276,6 +301,56 @@ class Engine:
             gradient_bytes=gradients,
             **d,
         )
+
+    def explain(self) -> Report:
+        """What holds the budget, the most expensive evictions and replays, and why the last
+        ``OutOfBudgetError`` happened: a ``dtr.explain.Report`` (data; ``print`` it to read it).
+
+        Inside a block it describes the block so far; after one, the last block (what was held
+        when it failed, or else just before its end). Before any block the report is empty and
+        says so. See dtr/explain.py.
+        """
+        stats = self.stats()
+        driver = self._driver
+        if driver is not None:
+            rt = driver.rt
+            with rt.lock:
+                rt.drain()
+                held = holdings(rt)
+            return report("now, inside the block", held, rt.events, stats)
+        events = self._events
+        if events is None:
+            return report("no block has run yet: nothing to explain", [], None, stats)
+        failure = events.failure
+        if failure is not None:
+            return report(f"when the last block's {failure.kind} was raised ({failure.op})", failure.holdings,
+                          events, stats)
+        return report("at the end of the last block, before it handed live tensors back", self._holdings,
+                      events, stats)
+
+    def timeline(self) -> Timeline:
+        """The memory timeline of the current block so far, or of the last one (see
+        dtr/timeline.py). Needs ``dtr.budget(..., timeline=True)``.
+
+        Raises:
+            DTRError: the engine does not record a timeline, or no block has run yet.
+        """
+        if not self._record_timeline:
+            raise DTRError("engine.timeline(): this engine records no timeline; create it with "
+                           "dtr.budget(..., timeline=True), or record a trace (trace=path) and use dtr.plot(path)")
+        if self._sampler is None:
+            raise DTRError("engine.timeline(): no block has run yet")
+        driver = self._driver
+        if driver is None:
+            return self._sampler.timeline()
+        with driver.rt.lock:
+            return self._sampler.timeline()
+
+    def plot_timeline(self, path: Union[str, "os.PathLike[str]", None] = None, *, ax: Any = None) -> Any:
+        """Draw ``timeline()`` (``dtr.plot``): resident bytes and budget against the op clock,
+        evictions and replays per op. Returns the matplotlib figure; saves it to ``path`` if
+        given. Needs matplotlib (``pip install 'dtr[plot]'``) and ``timeline=True``."""
+        return self.timeline().plot(path, ax=ax)
 
     def plans(self) -> List[Dict[tuple, Any]]:
         """The plans of ``dtr.budget(..., plan=segments)``, one dict per segment: input
@@ -374,9 +449,13 @@ def budget(
             its own operations (after 1,000 replays) with ``dtr.ThrashingError``, an
             ``OutOfBudgetError``: below its lowest workable budget a model thrashes for minutes
             or hours instead of failing. None: never stop.
+        timeline: when True, sample the engine's memory after every op, for
+            ``engine.timeline()`` and ``engine.plot_timeline()`` (a few bytes and well under a
+            microsecond per op; off by default, so that nothing is paid per op unasked).
 
     Returns:
-        An ``Engine``: a context manager with a settable ``budget`` and ``stats()``.
+        An ``Engine``: a context manager with a settable ``budget``, ``stats()``,
+        ``explain()`` and, with ``timeline=True``, ``timeline()`` and ``plot_timeline()``.
 
     Raises:
         ValueError: on a malformed limit, an unknown heuristic or a bad option value.

@@ -24,6 +24,11 @@ def test_simulator_does_not_import_torch():
     assert not _imports_torch("dtr.sim")
 
 
+def test_explain_timelines_advisor_and_plots_do_not_import_torch():
+    # Reading traces, drawing them and picking a budget need no torch.
+    assert not _imports_torch("dtr.explain, dtr.timeline, dtr.advisor, dtr.figures, dtr.log")
+
+
 def test_planner_does_not_import_torch():
     assert not _imports_torch("dtr.planner")
 

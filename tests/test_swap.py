@@ -17,7 +17,7 @@ from dtr.eager import swap as eager_swap
 from dtr.engine import OpRecord, Runtime, make_heuristic
 from dtr.engine.swap import HostTier
 from dtr.sim import load
-from dtr.sim.simulator import _DATA, _Executor, _Wrapper
+from dtr.sim.simulator import _DATA, SimExecutor, _Wrapper
 from dtr.sim.trace import Trace
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, fresh_model, run_step
@@ -162,7 +162,7 @@ def test_a_prefetched_value_is_read_only_after_it_arrives(name, bandwidth, monke
     assert engine.stats().prefetches > 0 or engine.stats().swaps_in == 0  # nothing came back
 
 
-class _Arrivals(_Executor):
+class _Arrivals(SimExecutor):
     """The simulator's executor, counting arrivals."""
 
     def __init__(self) -> None:
@@ -261,7 +261,7 @@ def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
 def test_the_swap_log_times_every_op_also_one_that_failed():
     # The prefetch schedule reads op costs by clock: an op that raised OutOfBudgetError still
     # moved the clock, and its cost must be logged, or every later prefetch is timed one op off.
-    rt = Runtime(100, make_heuristic("dtr_eq"), _Executor())
+    rt = Runtime(100, make_heuristic("dtr_eq"), SimExecutor())
     rt.host = HostTier(1e3, 0)  # no host room: b cannot push a out
     keep, failed = [], []
     for name, nbytes in (("a", 60), ("b", 60), ("c", 30)):

@@ -50,7 +50,6 @@ path.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import Any, Optional
 
@@ -58,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from dtr.errors import DTRError
+from dtr.log import warn
 
 __all__ = ["register"]
 
@@ -180,7 +180,7 @@ def _retiring(free):
         if driver is not None:
             if torch._C._current_graph_task_id() == -1 and driver not in _warned:  # not in backward
                 _warned.add(driver)
-                warnings.warn(_RESHARD_WARNING, stacklevel=2)
+                warn(_RESHARD_WARNING, stacklevel=2)
             # A group's reshard frees all its parameters: one search of the graph for them all,
             # at the first free (each search visits every storage).
             group = _resharded.get(driver)

@@ -23,6 +23,8 @@ import threading
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dtr.errors import OutOfBudgetError
+
 __all__ = ["DTRMode"]
 
 _ident = threading.get_ident
@@ -58,4 +60,11 @@ def _dispatch(mode: DTRMode, func, args, kwargs):
     d = mode.driver
     if d.suspended_thread is not None and d.suspended_thread == _ident():
         return d.passthrough(func, args, kwargs or {})
-    return d.dispatch(func, args, kwargs or {})
+    try:  # free when nothing is raised (Python 3.11+), a few ns before
+        return d.dispatch(func, args, kwargs or {})
+    except OutOfBudgetError as e:  # it reaches the program here: engine.explain() tells why
+        events = d.rt.events
+        if events is not None:
+            with d.rt.lock:
+                events.raised(e, d.rt)
+        raise

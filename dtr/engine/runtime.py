@@ -265,6 +265,11 @@ class Runtime:
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
+        # Observers (dtr/engine/events.py): ``events`` hears of evictions, replays and failures,
+        # which are not per op; ``on_op(runtime)`` runs after every op (a memory timeline).
+        # Both None unless someone watches, so that they cost one check each.
+        self.events: Optional[Any] = None
+        self.on_op: Optional[Any] = None
 
     @property
     def peak(self) -> int:
@@ -549,6 +554,8 @@ class Runtime:
                 self.host.log.costs.append(rec.cost)
         if self.host is not None:
             self._after_op()
+        if self.on_op is not None:
+            self.on_op(self)
         return outs  # type: ignore[return-value]
 
     def _fit_outputs(self, rec: OpRecord, new: List[Storage], n_versions: int) -> None:
@@ -782,6 +789,8 @@ class Runtime:
             c = self.counters
             c.rematerializations += 1
             c.remat_cost += cost
+            if self.events is not None:
+                self.events.replayed(rec, cost)
             if (
                 self.max_recompute is not None
                 and c.rematerializations >= _THRASH_REPLAYS
@@ -859,6 +868,8 @@ class Runtime:
                     raise self._out_of_budget(target, opname)
                 self._evict(s)
                 self.counters.evictions += 1
+                if self.events is not None:
+                    self.events.evicted(s)
             return
         now = self.clock
         host = self.host
@@ -905,6 +916,8 @@ class Runtime:
             else:
                 self._evict(s)
                 self.counters.evictions += 1
+                if self.events is not None:
+                    self.events.evicted(s)
 
     def _small_below(self) -> float:
         """The size under which a storage is a last-resort candidate: 1% of the mean resident
@@ -976,7 +989,10 @@ class Runtime:
                 f" Besides, {self.outside} bytes outside the engine count against the total limit "
                 "(dtr.budget(total=True)): tensors from before the block."
             )
-        return OutOfBudgetError(needed, target + self.outside, opname, detail)
+        error = OutOfBudgetError(needed, target + self.outside, opname, detail)
+        if self.events is not None:
+            self.events.out_of_budget(error, self)
+        return error
 
     # ------------------------------------------------------------------ host tier
 
@@ -1196,6 +1212,8 @@ class Runtime:
             if s.state is RESIDENT and not s.locks and s.recomputable:
                 self._evict(s)
                 self.counters.evictions += 1
+                if self.events is not None:
+                    self.events.evicted(s)
                 freed += s.nbytes
         return freed
 

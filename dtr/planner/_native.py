@@ -8,11 +8,11 @@ can still pick a backend by name (``"auto"``, ``"python"``, ``"native"``).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from dtr.log import logger, warn
 from dtr.planner import offload, rotor
 
 __all__ = ["HAS_NATIVE", "Backend", "backend"]
@@ -22,16 +22,17 @@ _ABI_VERSION = 1  # must match ABI_VERSION in dtr_ext/planner.c
 
 def _load() -> Optional[object]:
     if os.environ.get("DTR_PUREPYTHON", "") not in ("", "0"):
+        logger.debug("dtr.planner: DTR_PUREPYTHON is set: using the pure-Python DPs")
         return None
     try:
         from dtr_ext import _planner as dtr_ext
     except ImportError as exc:
-        warnings.warn(f"dtr.planner: the native planner dtr_ext is not available ({exc}); using the "
+        warn(f"dtr.planner: the native planner dtr_ext is not available ({exc}); using the "
                       "pure-Python DPs (same plans, slower). Reinstall dtr with a C compiler to build it, "
                       "or set DTR_PUREPYTHON=1 to silence this.", RuntimeWarning, stacklevel=3)
         return None
     if getattr(dtr_ext, "ABI_VERSION", None) != _ABI_VERSION:
-        warnings.warn("dtr.planner: dtr_ext was built from another version of dtr; using the pure-Python "
+        warn("dtr.planner: dtr_ext was built from another version of dtr; using the pure-Python "
                       "DPs. Reinstall dtr to rebuild it.", RuntimeWarning, stacklevel=3)
         return None
     return dtr_ext

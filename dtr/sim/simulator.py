@@ -67,7 +67,7 @@ class SimResult:
         return self.total_cost / self.base_cost if self.base_cost else 1.0
 
 
-class _Executor:
+class SimExecutor:
     """Replays a record by returning placeholders and its recorded cost."""
 
     views_alias_data = True  # as under torch, so that writes carry view values the same way
@@ -119,6 +119,7 @@ def simulate(
     swap: bool = False,
     bandwidth: Optional[float] = None,
     host_limit: Union[int, str, None] = None,
+    max_recompute: Optional[float] = None,
 ) -> SimResult:
     """Replay ``trace`` (a path or a loaded ``Trace``) through the engine under ``budget``.
 
@@ -135,6 +136,9 @@ def simulate(
         heuristic: a registered name (``dtr.heuristic_names()``) or a heuristic object.
         swap: also swap to a host tier (as ``dtr.budget(..., swap=True)``), at ``bandwidth``
             bytes per second (required with swap), holding at most ``host_limit`` bytes.
+        max_recompute: stop a block whose replays cost more than this many times its ops, as
+            ``dtr.budget`` does (Note [Thrashing]): infeasible, with the ``ThrashingError``'s
+            message. None (the default): never; a thrashing budget then runs to its end.
 
     Returns:
         A ``SimResult``. An infeasible budget gives ``feasible=False``, not an exception.
@@ -157,11 +161,11 @@ def simulate(
     peak = evictions = eager = remats = 0
     error = None
     for block in tr.blocks:
-        rt = Runtime(limit, make_heuristic(heuristic), _Executor())
+        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute)
         if swap:
             rt.host = HostTier(bandwidth, host_bytes, log)
         try:
-            base += _run_block(rt, block)
+            base += run_block(rt, block)
         except OutOfBudgetError as e:
             error = str(e)
         finally:
@@ -196,8 +200,9 @@ def simulate(
     )
 
 
-def _run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
-    """Feed one block's events to ``rt``; returns the recorded cost of its ops."""
+def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
+    """Feed one block's events to ``rt`` (a fresh runtime with a ``SimExecutor``); returns
+    the recorded cost of its ops. ``dtr.timeline`` watches a block this way."""
     cells: Dict[int, Any] = {}
     wrappers: Dict[int, _Wrapper] = {}
     cost = 0.0

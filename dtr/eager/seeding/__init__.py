@@ -45,7 +45,6 @@ that apply a plan.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -55,6 +54,7 @@ from dtr.eager.seeding.profiling import ProfilePass
 from dtr.eager.seeding.segments import Segment, at_backward_end, cells_of, segments_of
 from dtr.engine import Storage
 from dtr.errors import InfeasibleBudgetError
+from dtr.log import logger, warn
 from dtr.planner import Chain, Plan, solve
 
 if TYPE_CHECKING:
@@ -178,9 +178,10 @@ class Seeding:
                 raise InfeasibleBudgetError(f"the segment has no room: {before} bytes are in use before it", 0)
             return solve(chain, share)
         except InfeasibleBudgetError as e:
+            logger.debug("no plan fits a segment's share of the budget (%d bytes): plain DTR there", max(share, 0))
             if not self._warned:
                 self._warned = True
-                warnings.warn(
+                warn(
                     f"dtr: no plan fits the segment's share of the budget ({max(share, 0)} bytes; "
                     f"{e}); it runs under plain DTR",
                     stacklevel=2,
