@@ -25,8 +25,8 @@ Duck-typed; subclass ``Heuristic`` for the defaults, and register a factory with
 Staleness is ``now - last_access + 1`` on the runtime's logical op clock, so that a storage
 touched by the current op has staleness 1 rather than 0.
 
-Note [Keys: the fast search]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [Keys]
+~~~~~~~~~~~
 A heuristic that only defines ``score`` is searched by rescoring every candidate at each
 eviction round: O(n log n) for n resident storages, milliseconds at n = 10,000. One that defines
 instead

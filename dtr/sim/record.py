@@ -1,6 +1,6 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
-The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format]): the
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 1]): the
 recorder logs each call the driver makes, with tensors named by cell ids, then runs it. Calls
 the runtime makes on itself (``close`` acquires and flushes, ``complete`` unlocks) are part of
 the outer call and are not logged, or a replay would run them twice.
