@@ -66,19 +66,19 @@ class Report:
         s = self.stats
         lines = ["dtr.explain: " + self.moment]
         if s is not None and s.ops:
-            budget = "none" if s.budget is None else _mib(s.budget)
+            budget = "none" if s.budget is None else _size(s.budget)
             lines.append(
-                f"  budget {budget}, peak {_mib(s.peak_resident_bytes)}, {s.ops} ops, "
+                f"  budget {budget}, peak {_size(s.peak_resident_bytes)}, {s.ops} ops, "
                 f"{s.evictions} evictions, {s.rematerializations} replays ({s.remat_seconds * 1e3:.1f} ms)"
             )
         if self.holdings:
             total = sum(h.nbytes for h in self.holdings)
-            lines.append(f"What holds the budget ({_mib(total)}):")
+            lines.append(f"What holds the budget ({_size(total)}):")
             for group, nbytes in self.by_group():
-                lines.append(f"  {group:<20} {_mib(nbytes):>12}")
+                lines.append(f"  {group:<20} {_size(nbytes):>12}")
                 rows = [h for h in self.holdings if h.group == group]
                 for h in rows[:_TOP]:
-                    lines.append(f"      {h.op:<34} {h.count:>6} x  {_mib(h.nbytes):>12}")
+                    lines.append(f"      {h.op:<34} {h.count:>6} x  {_size(h.nbytes):>12}")
                 if len(rows) > _TOP:
                     lines.append(f"      ... {len(rows) - _TOP} more ops")
         for title, tallies in (("Most expensive evictions (to recompute)", self.evictions),
@@ -86,17 +86,17 @@ class Report:
             if tallies:
                 lines.append(f"{title}, by the op that made the tensor:")
                 for t in tallies[:_TOP]:
-                    lines.append(f"      {t.op:<34} {t.count:>6} x  {_mib(t.nbytes):>12}  {t.seconds * 1e3:>9.2f} ms")
+                    lines.append(f"      {t.op:<34} {t.count:>6} x  {_size(t.nbytes):>12}  {t.seconds * 1e3:>9.2f} ms")
         f = self.failure
         if f is not None:
-            lines.append(f"Why the last {f.kind}: {f.op} needed {_mib(f.needed_bytes)} at once; budget {_mib(f.budget)}.")
+            lines.append(f"Why the last {f.kind}: {f.op} needed {_size(f.needed_bytes)} at once; budget {_size(f.budget)}.")
             if f.ratio is not None:
                 lines.append(f"  {f.replays} replays cost {f.ratio:.1f}x the block's own ops.")
             held = {}
             for h in f.holdings:
                 held[h.group] = held.get(h.group, 0) + h.nbytes
             if held:
-                lines.append("  held then: " + ", ".join(f"{g} {_mib(n)}" for g, n in held.items()))
+                lines.append("  held then: " + ", ".join(f"{g} {_size(n)}" for g, n in held.items()))
             lines.append("  " + f.message)
         return "\n".join(lines)
 
@@ -116,5 +116,9 @@ def report(
     return Report(moment, list(holdings), evictions, replays, failure, stats)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit they fill (a tiny model's report is not all 0.00 MiB)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
