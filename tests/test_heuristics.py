@@ -249,7 +249,9 @@ def test_index_stateful(checked_index):
     assert checked_index.picks > 0
 
 
-def test_pinned_storages_are_never_evicted():
+def test_locked_storages_are_never_evicted():
+    """Invariant 2, for every heuristic: storages an op (here a read outside one) has locked
+    stay resident even when the budget cannot be met otherwise."""
     for name in BUILTINS:
         rt = Runtime(None, make_heuristic(name), FakeExecutor())
         held, cells = [], []
@@ -260,11 +262,11 @@ def test_pinned_storages_are_never_evicted():
             held.append(Handle())
             rt.track(held[-1], c)
             cells.append(c)
-        rt.pin(cells[:5])
+        rt.acquire(cells[:5])
         with pytest.raises(OutOfBudgetError):
-            rt.set_budget(450)  # only the unpinned one can go
+            rt.set_budget(450)  # only the unlocked one can go
         assert [c.storage.state for c in cells[:5]] == [State.RESIDENT] * 5, name
-        rt.unpin(cells[:5])
+        rt.unlock(cells[:5])
         rt.set_budget(300)
         rt.check_invariants()
 

@@ -118,7 +118,7 @@ def test_trace_round_trip_and_gzip(tmp_path):
     with gzip.open(packed, "rt") as f:
         assert f.read() == plain.read_text()
     trace = load(plain)
-    assert trace.header["format"] == "dtr-trace" and trace.header["version"] == 1
+    assert trace.header["format"] == "dtr-trace" and trace.header["version"] == 2
     assert trace.header["cost"] == "estimate" and trace.header["heuristic"] == "dtr_eq"
     assert len(trace.blocks) == 1 and trace.blocks[0][0]["e"] == "begin" and trace.blocks[0][-1]["e"] == "end"
     kinds = {e["e"] for e in trace.blocks[0]}
@@ -277,3 +277,26 @@ def test_traces_mark_the_backward_pass(tmp_path):
     assert not any("backward" in n for n in before) and "aten.nll_loss_forward.default" in before
     assert "backward" in after[0]
     assert marked
+
+
+def test_version_1_traces_load_in_version_2_words(tmp_path):
+    """A version 1 trace's pins (a plan's checkpoints locked between ops, as seeded runs once
+    did) replay as protections, and its ``protect`` window event as ``protect_new`` (Note
+    [Trace format, version 2]): the pinned storage is now the last to go, not never."""
+    op = lambda n, out, ins=(): {"e": "op", "name": n, "cost": 1.0, "replayable": True,  # noqa: E731
+                                 "in": list(ins), "mut": [], "new": [[100, None]], "out": [out]}
+    events = [{"e": "begin", "budget": None}]
+    for k in range(3):
+        events += [op(f"op{k}", k, [k - 1] if k else []), {"e": "ref", "ref": k, "cell": k}]
+    events += [{"e": "pin", "cells": [0]}, {"e": "protect", "on": True}, op("op3", 3, [2]),
+               {"e": "ref", "ref": 3, "cell": 3}, {"e": "protect", "on": False},
+               {"e": "unpin", "cells": [0]}, {"e": "end"}]
+    path = tmp_path / "v1.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in [{"format": "dtr-trace", "version": 1}] + events) + "\n")
+    trace = load(path)
+    kinds = [e["e"] for e in trace.blocks[0]]
+    assert "pin" not in kinds and "unpin" not in kinds
+    assert kinds.count("protect") == 1 and kinds.count("unprotect") == 1 and kinds.count("protect_new") == 2
+    assert dtr.simulate(trace, None).feasible
+    squeezed = dtr.simulate(trace, 200)  # a pin would make 200 bytes infeasible at op3
+    assert squeezed.feasible and squeezed.evictions >= 2

@@ -40,7 +40,7 @@ wins a later pick.
 
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
-so long-held pins cost O(pins) per round); storages under the round's small-storage threshold
+so long-held locks cost O(locks) per round); storages under the round's small-storage threshold
 ("stashed": the last resort, scanned only when nothing else can go); protected storages, made
 since the runtime's protection window began (``Runtime.protect_new``) or named to
 ``Runtime.protect`` ("protected": scanned when no unprotected storage of ordinary size can go,

@@ -25,7 +25,7 @@ __all__ = ["Events", "Failure", "Holding", "Tally", "holdings", "GROUPS"]
 
 #: The groups of ``holdings``, in the order a storage is classified (the first that applies).
 GROUPS = (
-    "locked",  # inputs and outputs of the op or replay in flight, and a plan's pins
+    "locked",  # inputs and outputs of the op or replay in flight
     "protected by a plan",  # a plan keeps them (last resort of eviction)
     "not recomputable",  # no replayable lineage: flushed, made permanent, non-replayable ops
     "activations",  # evictable: what DTR can drop and recompute

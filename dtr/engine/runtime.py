@@ -251,7 +251,6 @@ class Runtime:
         self._refs: dict = {}  # id(Ref) -> Ref, for live wrappers
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
-        self._pins: dict = {}  # Storage -> pins (locks held between ops for a plan)
         self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
@@ -1133,28 +1132,7 @@ class Runtime:
         rec.use_storages = ()
         self.executor.forget(rec)
 
-    # ------------------------------------------------------------------ plan hints
-
-    def pin(self, cells: Sequence[Cell]) -> None:
-        """Make ``cells`` resident and keep their storages from eviction until ``unpin``. A pin
-        is a lock that outlives the op; pins nest. Seeded runs held their checkpoints so until
-        9db1eca (they use ``protect`` now, which cannot make a budget infeasible); the
-        simulator replays the pins of traces recorded before."""
-        self.acquire(cells)
-        pins = self._pins
-        for c in cells:
-            pins[c.storage] = pins.get(c.storage, 0) + 1
-
-    def unpin(self, cells: Sequence[Cell]) -> None:
-        """Undo ``pin(cells)``; a storage nothing needs any more is released."""
-        pins = self._pins
-        for c in cells:
-            n = pins[c.storage] - 1
-            if n:
-                pins[c.storage] = n
-            else:
-                del pins[c.storage]
-        self.unlock(cells)
+    # ------------------------------------------------------------------ last resorts
 
     def set_backward(self, on: bool) -> None:
         """Say whether the program's ops now run in a backward pass (the driver calls it when
@@ -1325,9 +1303,6 @@ class Runtime:
         saved = self.budget
         try:  # whatever fails here (a heuristic's hook in drain), the finally ends the block
             self.drain()
-            for s, n in self._pins.items():  # a block can end before a plan's backward ran
-                s.locks -= n
-            self._pins.clear()
             cells = []
             for ref in self.live_refs():
                 ref.cell = self.resolve(ref.cell)
@@ -1415,7 +1390,7 @@ class Runtime:
             assert s.state is RESIDENT and s.value is not None, f"{s} is arriving but not resident"
         for s in self._all:
             assert s.state is not RELEASED, f"{s} is released but still registered"
-            assert s.locks == self._pins.get(s, 0), f"{s} is still locked between ops"
+            assert s.locks == 0, f"{s} is still locked between ops"
             assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
             assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
             if s.state is EVICTED:

@@ -1,6 +1,6 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
-The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 1]): the
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 2]): the
 recorder logs each call the driver makes, with tensors named by cell ids, then runs it. Calls
 the runtime makes on itself (``close`` acquires and flushes, ``complete`` unlocks) are part of
 the outer call and are not logged, or a replay would run them twice.
@@ -192,16 +192,6 @@ class RecordingRuntime(Runtime):
         if self._depth:
             return super().set_budget(budget, opname)
         self._call({"e": "budget", "budget": budget}, super().set_budget, budget, opname)
-
-    def pin(self, cells: Sequence[Cell]) -> None:
-        if self._depth:
-            return super().pin(cells)
-        self._call({"e": "pin", "cells": [self._cid(c) for c in cells]}, super().pin, cells)
-
-    def unpin(self, cells: Sequence[Cell]) -> None:
-        if self._depth:
-            return super().unpin(cells)
-        self._call({"e": "unpin", "cells": [self._cid(c) for c in cells]}, super().unpin, cells)
 
     def set_backward(self, on: bool) -> None:
         if self._depth:

@@ -260,15 +260,11 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.hold(event["key"], event["bytes"])
         elif kind == "flush":
             rt.flush()
-        elif kind == "pin":
-            rt.pin([cell(c) for c in event["cells"]])
-        elif kind == "unpin":
-            rt.unpin([cell(c) for c in event["cells"]])
         elif kind == "evict":
             rt.evict([cell(c).storage for c in event["cells"]])
         elif kind == "backward":
             rt.set_backward(event["on"])
-        elif kind == "protect_new" or (kind == "protect" and "on" in event):  # "protect"+"on": before aac6064
+        elif kind == "protect_new":
             rt.protect_new(event["on"])
         elif kind == "protect":
             rt.protect([cell(c).storage for c in event["cells"]])

@@ -4,9 +4,9 @@ A trace is a file of JSON objects, one per line (gzip-compressed when the name e
 ``.gz``). The first line is the header; then come blocks, one per ``dtr.budget`` block run
 with the engine, each a ``begin`` event, the events of the block and an ``end`` event.
 
-Note [Trace format, version 1]
+Note [Trace format, version 2]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Header: ``{"format": "dtr-trace", "version": 1, "heuristic": name, "cost": "auto"|"estimate",
+Header: ``{"format": "dtr-trace", "version": 2, "heuristic": name, "cost": "auto"|"estimate",
 "budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
 
 Events are the calls the driver made on its runtime, in order, so that replaying them through
@@ -41,9 +41,8 @@ over a storage: its root or a view) and program references by *ref ids*.
 - ``{"e": "hold", "key": k, "bytes": n}``: the program holds ``n`` bytes under ``k`` (a
   parameter's gradient made in the block), charged until the block ends (``Runtime.hold``).
 - ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
-- ``{"e": "pin", "cells": [...]}`` / ``{"e": "unpin", ...}``: these cells locked resident
-  until unpinned (seeded runs' checkpoints before 9db1eca; they are protected now); ``{"e": "evict", "cells": [roots]}``: a plan drops
-  these storages (those that can go) as soon as they are consumed.
+- ``{"e": "evict", "cells": [roots]}``: a plan drops these storages (those that can go) as
+  soon as they are consumed.
 - ``{"e": "backward", "on": bool}``: the program's ops run in a backward pass from here on,
   or no longer (``Runtime.set_backward``); traces without it ran none as such.
 - ``{"e": "protect_new", "on": bool}``: storages made from here on are a last resort (a plan's
@@ -54,6 +53,13 @@ over a storage: its root or a view) and program references by *ref ids*.
   budget ignore it).
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
+
+Version 1 is version 2 with two more ways to say what a plan holds, which ``load`` rewrites
+into version 2's: ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked
+resident between ops) become ``protect`` / ``unprotect`` of the cells' storages, what the
+engine has done with checkpoints since (a lock could make a budget infeasible), and
+``{"e": "protect", "on": bool}`` is ``protect_new``. A version 1 trace therefore replays as
+today's engine would have run the program.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from typing import Any, Dict, List, Optional, Union
 __all__ = ["FORMAT", "VERSION", "Trace", "TraceWriter", "load"]
 
 FORMAT = "dtr-trace"
-VERSION = 1
+VERSION = 2
 
 
 def _open(path: Path, mode: str):
@@ -133,14 +139,18 @@ def load(source: Union[str, Path, Trace]) -> Trace:
             header = None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError(f"dtr: {path} is not a dtr trace (no '{FORMAT}' header line)")
-        if header.get("version") != VERSION:
+        version = header.get("version")
+        upgrade = _UPGRADES.get(version)
+        if version != VERSION and upgrade is None:
             raise ValueError(
-                f"dtr: {path} is a version {header.get('version')} trace; this dtr reads version {VERSION}"
+                f"dtr: {path} is a version {version} trace; this dtr reads versions 1 to {VERSION}"
             )
         trace = Trace(header)
         block: Optional[List[Dict[str, Any]]] = None
         for n, line in enumerate(f, start=2):
             event = json.loads(line)
+            if upgrade is not None:
+                event = upgrade(event)
             kind = event.get("e")
             if kind == "begin":
                 block = [event]
@@ -152,3 +162,16 @@ def load(source: Union[str, Path, Trace]) -> Trace:
                 if kind == "end":
                     block = None
     return trace
+
+
+def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
+    """A version 1 event in version 2's words (Note [Trace format, version 2])."""
+    kind = event.get("e")
+    if kind == "pin" or kind == "unpin":
+        return dict(event, e="protect" if kind == "pin" else "unprotect")
+    if kind == "protect" and "on" in event:
+        return dict(event, e="protect_new")
+    return event
+
+
+_UPGRADES = {1: _from_version_1}  # version -> its events in the current version's words
