@@ -314,10 +314,9 @@ class Engine:
         driver = self._driver
         if driver is not None:
             rt = driver.rt
-            with rt.lock:
+            with rt.lock:  # the runtime's tallies change under it (another thread may train)
                 rt.drain()
-                held = holdings(rt)
-            return report("now, inside the block", held, rt.events, stats)
+                return report("now, inside the block", holdings(rt), rt.events, stats)
         events = self._events
         if events is None:
             return report("no block has run yet: nothing to explain", [], None, stats)

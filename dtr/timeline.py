@@ -79,6 +79,7 @@ class Timeline:
         heuristic: Union[str, Heuristic, None] = None,
         *,
         block: int = -1,
+        max_recompute: Optional[float] = 10.0,
     ) -> "Timeline":
         """The memory timeline of one block of ``trace``, replayed through the simulator.
 
@@ -88,9 +89,12 @@ class Timeline:
                 the recorded run), or bytes, a size string, or None (no limit).
             heuristic: a heuristic name or object; default: the one the trace was recorded with.
             block: which block of the trace (default: the last).
+            max_recompute: stop where replays have cost this many times the block's ops, as
+                ``dtr.budget`` does by default (Note [Thrashing]); None: never.
 
-        A budget the block cannot run at gives a timeline that stops where it ran out, with
-        ``error`` set. Raises ``ValueError`` on a bad trace, budget or block index, or a
+        A budget the block cannot run at (or thrashes at) gives a timeline that stops there,
+        with ``error`` set. Swapping is not replayed: a block recorded with ``swap=True``
+        gives the timeline plain DTR would have had. Raises ``ValueError`` on a bad trace, budget or block index, or a
         recorded heuristic that is not registered here (pass ``heuristic=``).
         """
         tr = load(trace)
@@ -110,7 +114,7 @@ class Timeline:
                     f"dtr.Timeline.from_trace: the trace was recorded with heuristic {heuristic!r}, which "
                     "is not registered here; pass heuristic= (a name from dtr.heuristic_names() or an object)"
                 )
-        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor())
+        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute)
         recorder = rt.on_op = Recorder()
         error = None
         try:

@@ -425,3 +425,29 @@ def test_a_peak_meter_reads_the_most_bytes_since_it_started():
     assert (outer.stop(), late.stop(), rt.peak) == (1080, 1080, 1080)
     assert outer.stop() == 1080  # stopping twice changes nothing
     rt.close()
+
+
+def test_an_old_version_stays_for_a_reader_a_replay_in_flight_needs():
+    """``x = f(h)`` read the old version and the program dropped it; ``y = g(h', x)`` reads
+    the new version and ``x``. Rebuilding ``y`` rebuilds ``h'`` first (an input order the
+    program chose): the old version must stay for ``x``, which ``y``'s replay reads next, or
+    it is replayed twice (found by review)."""
+    for order in ("new first", "x first"):
+        ex = FakeExecutor()
+        rt = Runtime(None, make_heuristic("dtr_eq"), ex)
+        keep = {}
+        a = _op(rt, [], 8, "a", keep)
+        h = _op(rt, [a], 8, "h", keep)
+        x = _op(rt, [h], 8, "x", keep)
+        new = _write(rt, h, "w")
+        y = _op(rt, [new, x] if order == "new first" else [x, new], 8, "y", keep)
+        del keep["x"]
+        gc.collect()
+        rt.drain()
+        rt.evict([y.storage, x.storage, new.storage, h.storage])
+        ex.replays = 0
+        rt.acquire([y])
+        rt.unlock([y])
+        assert ex.replays == 4, (order, ex.replays)  # h, h', x, y: each once
+        rt.check_invariants()
+        rt.close()

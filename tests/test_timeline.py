@@ -84,3 +84,16 @@ def test_bad_sources_are_refused(recorded):
         dtr.plot(42)
     with pytest.raises(ValueError, match="block must index"):
         dtr.Timeline.from_trace(path, block=5)
+
+
+def test_a_trace_timeline_stops_where_it_would_thrash(tmp_path):
+    """At a budget that thrashes, ``from_trace`` stops as ``dtr.budget`` would (the error says
+    so) instead of replaying for minutes; ``max_recompute=None`` runs it to the end."""
+    w = zoo.build("treelstm")
+    path = tmp_path / "t.jsonl.gz"
+    tracked = run_step(w, fresh_model(w), None, cost="estimate", trace=path).stats
+    budget = budget_at(tracked, 0.09)  # tests/test_thrashing.py: thrashes there
+    stopped = dtr.Timeline.from_trace(path, budget)
+    assert stopped.error is not None and "below what this model can run at" in stopped.error
+    ended = dtr.Timeline.from_trace(path, budget, max_recompute=None)
+    assert ended.error is None and sum(ended.replays) > sum(stopped.replays)

@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from dtr.engine.storage import Storage
 from dtr.errors import OutOfBudgetError, ThrashingError
 from dtr.log import logger
 
@@ -27,6 +26,7 @@ __all__ = ["Events", "Failure", "Holding", "Tally", "holdings", "GROUPS"]
 GROUPS = (
     "locked",  # inputs and outputs of the op or replay in flight
     "protected by a plan",  # a plan keeps them (last resort of eviction)
+    "made in backward",  # gradients in flight: a last resort too (Note [Gradients are a last resort])
     "not recomputable",  # no replayable lineage: flushed, made permanent, non-replayable ops
     "activations",  # evictable: what DTR can drop and recompute
     "gradients",  # .grad tensors made in the block, charged until it ends (Runtime.hold)
@@ -84,6 +84,8 @@ def holdings(rt: Any) -> List[Holding]:
             group = "locked"
         elif s.protected or s.sid >= protected_from:
             group = "protected by a plan"
+        elif s.backward and s.recomputable:
+            group = "made in backward"
         elif not s.recomputable:
             group = "not recomputable"
         else:
@@ -130,8 +132,9 @@ class Events:
         if self._debug:
             logger.debug("evict %d bytes made by %s (storage %d)", s.nbytes, name, s.sid)
 
-    def replayed(self, rec: Any, seconds: float) -> None:
-        nbytes = sum(c.nbytes for c in rec.outputs if type(c) is Storage)  # views add no bytes
+    def replayed(self, rec: Any, seconds: float, nbytes: int) -> None:
+        """``rec`` was replayed in ``seconds``, bringing ``nbytes`` back into memory (the outputs
+        that were evicted; others, and views, add none)."""
         t = self.replays.get(rec.name)
         if t is None:
             t = self.replays[rec.name] = Tally(rec.name)

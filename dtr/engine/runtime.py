@@ -19,7 +19,8 @@ Invariants (checked by ``check_invariants``; cited by number in the code):
    except inside one op: its inputs and outputs must be resident at once. The driver makes
    room for an op's outputs before it runs when it can tell their size (``reserve``), and
    ``complete`` evicts after it in any case.
-2. A locked storage is never evicted or released.
+2. A locked storage is never evicted or released, except an old version by the op that
+   wrote or rebuilt its successor (its bytes are the successor's; Note [Versions]).
 3. Every evicted storage can be recomputed: its parent record is replayable and the record's
    input storages are not released (``uses`` keeps them).
 4. Replays are pure (see storage.py, Note [Versions]; the executor restores RNG state).
@@ -265,8 +266,9 @@ class Runtime:
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
         # Observers (dtr/engine/events.py): ``events`` hears of evictions, replays and failures,
-        # which are not per op; ``on_op(runtime)`` runs after every op (a memory timeline).
-        # Both None unless someone watches, so that they cost one check each.
+        # which are not per op (every ``dtr.budget`` block sets it, for ``explain``);
+        # ``on_op(runtime)`` runs after every op (a memory timeline, ``timeline=True`` only).
+        # None unless someone watches, so that each costs one check.
         self.events: Optional[Any] = None
         self.on_op: Optional[Any] = None
 
@@ -682,6 +684,7 @@ class Runtime:
         """
         stack = [target]
         held: dict = {}  # id(record) -> per-input flags: locked by this call for it
+        wanted: dict = {}  # input storage of a record in ``held`` -> how many read it
         try:
             while stack:
                 c = stack[-1]
@@ -700,6 +703,8 @@ class Runtime:
                 if entry is None:
                     flags = [False] * len(inputs)
                     held[id(rec)] = (rec, flags)
+                    for i in inputs:
+                        wanted[i.storage] = wanted.get(i.storage, 0) + 1
                     missing = [i for i in inputs if i.value is None]
                     if missing:
                         now = self.clock
@@ -727,12 +732,17 @@ class Runtime:
                 try:
                     if self.budget is not None:
                         self._room_for_replay(rec)
-                    self._replay(rec)
+                    self._replay(rec, wanted)
                 finally:
                     out.locks -= 1
                 del held[id(rec)]
                 for i in inputs:
                     i.storage.locks -= 1
+                    n = wanted[i.storage] - 1
+                    if n:
+                        wanted[i.storage] = n
+                    else:
+                        del wanted[i.storage]
                 if c.value is None:  # pragma: no cover - would be a runtime bug
                     raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
                 stack.pop()
@@ -753,12 +763,13 @@ class Runtime:
         if need:
             self.reserve(need, f"{rec.name} (recomputing an evicted tensor)")
 
-    def _replay(self, rec: OpRecord) -> None:
+    def _replay(self, rec: OpRecord, wanted: dict) -> None:
         if self.arriving:
             self.arrive(rec.inputs)
         values, cost = self.executor.replay(rec)
         now = self.clock
         added = False
+        brought = 0  # bytes back in memory
         for cell, v in zip(rec.outputs, values):
             if type(cell) is _Weak:  # a view (Note [Views held weakly])
                 cell = cell()
@@ -775,6 +786,7 @@ class Runtime:
                     self.memory += s.nbytes
                     self._on_materialize(s)
                     added = True
+                    brought += s.nbytes
                 cell.value = v
             elif state is RESIDENT or state is EXTERNAL:
                 cell.value = v
@@ -783,13 +795,13 @@ class Runtime:
         for s in rec.use_storages:
             s.last_access = now
         if added:
-            self._retire_old_versions(rec)
+            self._retire_old_versions(rec, wanted)
         if added:  # re-deriving a view of a resident storage is not a rematerialization
             c = self.counters
             c.rematerializations += 1
             c.remat_cost += cost
             if self.events is not None:
-                self.events.replayed(rec, cost)
+                self.events.replayed(rec, cost, brought)
             if (
                 self.max_recompute is not None
                 and c.rematerializations >= _THRASH_REPLAYS
@@ -802,7 +814,7 @@ class Runtime:
         if added and self.budget is not None and self.memory > self.budget:
             self._evict_to(self.budget, f"{rec.name} (recomputing an evicted tensor)")
 
-    def _retire_old_versions(self, rec: OpRecord) -> None:
+    def _retire_old_versions(self, rec: OpRecord, wanted: dict) -> None:
         """After replaying an in-place op: evict the old versions it rebuilt a new version
         from, when nothing else needs them now.
 
@@ -815,10 +827,14 @@ class Runtime:
         one. Old versions are read only to rebuild their successor or by ops that ran while
         they were current, yet the heuristic scores them like live activations, and they
         crowd out what the program still holds (docs/heuristics.md has the measurements). So
-        each goes as soon as its successor is back, as in ``complete``, unless a replay in
-        flight has locked it for itself (``_materialize`` locks every input of ``rec`` once
-        per cell) or a dependent the program holds is evicted and would need it (the eager
-        eviction rule of ``_unreferenced``).
+        each goes as soon as its successor is back, as in ``complete`` (which also evicts it
+        under the lock of the op that consumed it: Invariant 2's one exception), unless
+        something in flight or held still needs it: a replay in flight has locked it for
+        itself (``_materialize`` locks every input of ``rec`` once per cell), or an evicted
+        dependent is held by the program (the eager eviction rule of ``_unreferenced``),
+        locked by the op in flight, or read by a replay in flight (``wanted``), and so about
+        to be rebuilt from it. Like ``complete``'s, these evictions are no budget decision and
+        are not counted as evictions.
         """
         for c in rec.inputs:
             old = c.storage
@@ -829,7 +845,7 @@ class Runtime:
                 continue
             if old.locks != sum(1 for i in rec.inputs if i.storage is old):
                 continue
-            if any(t.refs and t.state is EVICTED for t in old.dependents):
+            if any(t.state is EVICTED and (t.refs or t.locks or t in wanted) for t in old.dependents):
                 continue
             self._evict(old)
 
@@ -1153,6 +1169,10 @@ class Runtime:
         they are a last resort for life (``Storage.backward``; the tier of ``protect``):
         evicted only when no activation of ordinary size can go. On the shipped traces this changes nothing for the
         feed-forward models and saves recurrent ones from thrashing (docs/heuristics.md).
+        Forward ops that run inside a backward pass (``torch.utils.checkpoint`` recomputing a
+        segment, ``torch.autograd.grad`` called by a hook) are marked too; their results are
+        read within the pass. It subsumes a plan's ``protect_new`` window over a stage's
+        backward (Note [Seeding]): what the stage made stays a last resort after the window.
         """
         self._backward = on
 
