@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import dtr
-from dtr.eager.swap import measure_bandwidth
+from dtr.eager.host_copies import measure_bandwidth
 from dtr.engine import Heuristic
 from dtr.sim import load
 from dtr.sim.trace import Trace

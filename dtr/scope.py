@@ -29,10 +29,10 @@ from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
-from dtr.eager.swap import measure_bandwidth
+from dtr.eager.host_copies import measure_bandwidth
 from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
 from dtr.engine.events import Events, holdings
-from dtr.engine.swap import HostTier
+from dtr.engine.host_tier import HostTier
 from dtr.errors import DTRError, OutOfBudgetError
 from dtr.explain import Report, report
 from dtr.log import apply_env, warn

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import dtr
-from dtr.eager import swap as eager_swap
+from dtr.eager import host_copies
 from dtr.engine import OpRecord, Runtime, make_heuristic
-from dtr.engine.swap import HostTier
+from dtr.engine.host_tier import HostTier
 from dtr.sim import load
 from dtr.sim.simulator import _DATA, SimExecutor, _Wrapper
 from dtr.sim.trace import Trace
@@ -146,14 +146,14 @@ def test_a_prefetched_value_is_read_only_after_it_arrives(name, bandwidth, monke
     # prefetch's buffer is poisoned until it arrives, so any read path that skips the arrival
     # shows as a wrong gradient. Slower links mix evictions (and replays that read prefetched
     # inputs) with swaps.
-    real = eager_swap.prefetch
+    real = host_copies.prefetch
 
     def poisoned(copy):
         value, pending = real(copy)
         value.untyped_storage().fill_(255)  # NaN as floats, -1 as integers
         return value, pending
 
-    monkeypatch.setattr(eager_swap, "prefetch", poisoned)
+    monkeypatch.setattr(host_copies, "prefetch", poisoned)
     w = zoo.build(name, "tiny")
     eager_model, model = fresh_model(w), fresh_model(w)
     engine = dtr.budget(int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=bandwidth)

@@ -58,7 +58,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from dtr.eager import accumulation, output_size, rng, swap
+from dtr.eager import accumulation, host_copies, output_size, rng
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
@@ -910,7 +910,7 @@ class Driver:
     @staticmethod
     def swap_out(value):
         with _no_python_dispatch():
-            return swap.swap_out(value)
+            return host_copies.swap_out(value)
 
     @staticmethod
     def swap_done(handle) -> bool:
@@ -924,17 +924,17 @@ class Driver:
     @staticmethod
     def swap_in(handle):
         with _no_python_dispatch():
-            return swap.swap_in(handle)
+            return host_copies.swap_in(handle)
 
     @staticmethod
     def prefetch(handle):
         with _no_python_dispatch():
-            return swap.prefetch(handle)
+            return host_copies.prefetch(handle)
 
     @staticmethod
     def arrive(pending) -> None:
         with _no_python_dispatch():
-            swap.arrive(pending)
+            host_copies.arrive(pending)
 
     def forget(self, rec) -> None:
         if type(rec) is not Call:

@@ -39,7 +39,7 @@ from dtr.engine import collector
 from dtr.engine.candidates import CandidateIndex
 from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
-from dtr.engine.swap import HostTier
+from dtr.engine.host_tier import HostTier
 from dtr.engine.telemetry import Counters
 from dtr.errors import OutOfBudgetError, ThrashingError
 
@@ -72,7 +72,7 @@ class Executor(Protocol):
     def forget(self, record: OpRecord) -> None:
         """``record`` will never be replayed again; drop what its payload holds."""
 
-    # Swapping (only with a host tier; engine/swap.py):
+    # Swapping (only with a host tier; engine/host_tier.py):
 
     def swap_out(self, value: Any) -> Any:
         """Start copying a storage (its root ``value``) to the host; returns a handle."""

@@ -63,7 +63,7 @@ class State(enum.IntEnum):
     """Gone from the graph: the program dropped it and nothing can need it again."""
     SWAPPED = 4
     """Copied to the host tier (``dtr.budget(..., swap=True)``): not counted against the
-    budget, brought back on access (engine/swap.py)."""
+    budget, brought back on access (engine/host_tier.py)."""
 
 
 class Storage:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from dtr.config import parse_bytes
 from dtr.engine import Heuristic, OpRecord, Runtime, make_heuristic
-from dtr.engine.swap import HostTier
+from dtr.engine.host_tier import HostTier
 from dtr.errors import OutOfBudgetError
 from dtr.sim.trace import Trace, load
 

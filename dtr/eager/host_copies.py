@@ -1,4 +1,4 @@
-"""Copies between a storage and the host tier, for the runtime's swapping (engine/swap.py).
+"""Copies between a storage and the host tier, for the runtime's swapping (engine/host_tier.py).
 
 On CUDA a swap-out copies the whole storage into a new pinned host buffer on a side stream,
 after the work that produced it (the side stream waits for the current one); the device tensor
