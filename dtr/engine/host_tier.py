@@ -7,10 +7,9 @@ can be evicted, at the cost the heuristic puts in its score (for the DTR family,
 of the storage and its evicted neighbourhood, per byte and staleness); any one can be swapped
 (copied to the host and back later), at ``bytes / bandwidth`` per the same byte and staleness,
 if the host tier has room. That is the copy back, which the program may wait for; the copy out
-runs beside compute on an accelerator (the simulator counts swaps the same way). An earlier
-version charged both directions: in simulation it then evicted tensors whose copy back would
-have cost less than their recomputation, and the combination lost to swapping alone. Each candidate takes the cheaper of the two, and the
-cheapest candidate goes first. Storages the engine cannot recompute (outputs of ops with side
+runs beside compute on an accelerator (the simulator counts swaps the same way), and charging
+it too would evict tensors whose copy back costs less than their recomputation (docs/runtime.md,
+"Swapping"). Each candidate takes the cheaper of the two, and the cheapest candidate goes first. Storages the engine cannot recompute (outputs of ops with side
 effects, storages whose lineage was cut) can only be swapped. The comparison is exact for scores
 of the form cost / (bytes * staleness) (h_DTR, h_DTR^eq, h_DTR-local, MSPS); other heuristics'
 scores are compared as they are.
@@ -26,8 +25,7 @@ that comes too late to be covered by the ops left before its need costs the unco
 the transfer (``late_seconds``, an estimate from the previous block's op costs, which the
 simulator counts as a stall). A prefetched storage that the block then reads is logged too, at
 the clock it was needed: a block whose prefetches all arrived in time swaps nothing in
-synchronously, and the one after it must still know what to prefetch (without this, steps
-alternated between all synchronous and all prefetched). One it never reads is not logged, so a
+synchronously, and the one after it must still know what to prefetch. One it never reads is not logged, so a
 prefetch the program stopped needing is not repeated.
 """
 
