@@ -332,9 +332,7 @@ class Driver:
             rt.acquire([cell])
             rt.unlock([cell])
             return cell.value
-        from dtr.eager.materialize import materialize
-
-        return materialize(w)
+        return w._plain()
 
     def _alias(self, base: DTRTensor) -> DTRTensor:
         ref = base._dtr

@@ -6,23 +6,22 @@ from __future__ import annotations
 import torch
 
 from dtr.eager.ops import WRITTEN, facts_for
-from dtr.eager.tensor import DTRTensor
 
 __all__ = ["run_escaped"]
 
 
-def _plain(a):
-    if type(a) is DTRTensor:
-        from dtr.eager.materialize import materialize
-
-        return materialize(a)
+def _plain(a, wrapper: type):
+    if type(a) is wrapper:
+        return a._plain()
     if type(a) in (list, tuple):
-        return type(a)(_plain(b) for b in a)
+        return type(a)(_plain(b, wrapper) for b in a)
     return a
 
 
-def run_escaped(func, args, kwargs):
-    out = func(*[_plain(a) for a in args], **{k: _plain(v) for k, v in kwargs.items()})
+def run_escaped(wrapper: type, func, args, kwargs):
+    """Run ``func`` eagerly on the plain values of the ``wrapper`` tensors (``DTRTensor``,
+    passed in by its ``__torch_dispatch__``) among ``args`` and ``kwargs``."""
+    out = func(*[_plain(a, wrapper) for a in args], **{k: _plain(v, wrapper) for k, v in kwargs.items()})
     returns = facts_for(func).returns
     if not any(rk == WRITTEN for rk, _, _ in returns):
         return out

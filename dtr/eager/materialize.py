@@ -21,8 +21,4 @@ def materialize(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor):
             return t
         raise ValueError(f"dtr.materialize expects a tensor, got {type(t).__name__}")
-    ref = t._dtr
-    rt = ref.cell.storage.runtime
-    if rt.closed:
-        return ref.cell.value
-    return rt.executor.to_plain(t)
+    return t._plain()

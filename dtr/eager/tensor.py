@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dtr.eager.escaped import run_escaped
+
 __all__ = ["DTRTensor", "make_wrapper"]
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -37,14 +39,18 @@ class DTRTensor(torch.Tensor):
         rt = _runtime_of(args, kwargs)
         if rt is not None and not rt.closed:
             return rt.executor.dispatch(func, args, kwargs)
-        from dtr.eager.escaped import run_escaped
+        return run_escaped(cls, func, args, kwargs)
 
-        return run_escaped(func, args, kwargs)
+    def _plain(self) -> torch.Tensor:
+        """``dtr.materialize(self)``: the plain tensor (detached) this wrapper stands for."""
+        ref = self._dtr
+        rt = ref.cell.storage.runtime
+        if rt.closed:
+            return ref.cell.value
+        return rt.executor.to_plain(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        from dtr.eager.materialize import materialize
-
-        text = repr(materialize(self))
+        text = repr(self._plain())
         extra = ""
         if self.grad_fn is not None:
             extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
@@ -59,30 +65,22 @@ class DTRTensor(torch.Tensor):
         return object.__format__(self, format_spec)
 
     def tolist(self) -> Any:
-        from dtr.eager.materialize import materialize
-
-        return materialize(self).tolist()
+        return self._plain().tolist()
 
     def numpy(self, *, force: bool = False):
-        from dtr.eager.materialize import materialize
-
         if self.requires_grad and not force:
             raise RuntimeError(
                 "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
             )
-        return materialize(self).numpy(force=force)
+        return self._plain().numpy(force=force)
 
     def data_ptr(self) -> int:
         """Address of the data as it is now; it changes if the engine evicts and recomputes it."""
-        from dtr.eager.materialize import materialize
-
-        return materialize(self).data_ptr()
+        return self._plain().data_ptr()
 
     def __reduce_ex__(self, protocol):
         # Pickle (torch.save) the value as a plain tensor: the engine's state cannot travel.
-        from dtr.eager.materialize import materialize
-
-        return materialize(self).__reduce_ex__(protocol)
+        return self._plain().__reduce_ex__(protocol)
 
 
 def make_wrapper(value: torch.Tensor, runtime, cell) -> DTRTensor:
