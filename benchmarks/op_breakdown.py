@@ -72,7 +72,7 @@ from dtr.eager.replay import Call
 from dtr.engine import OpRecord, Runtime
 from dtr.scope import Engine
 
-from bench_runtime import RawPassThrough, count_ops, small_workloads
+from bench_runtime import RawPassThrough, count_ops, full_gc_seconds, small_workloads
 from provenance import commit, machine
 
 RESULTS = Path(__file__).parent / "results" / "op_breakdown.json"
@@ -400,16 +400,6 @@ def timed_run(run: Callable[[], None]) -> dict:
     return {"wall": wall, "young": _GC["young"] - y0, "full": _GC["full"] - f0, "kernel": kernel}
 
 
-def full_gc_ns(run: Callable[[], None], runs: int) -> float:
-    """Full collections per run, amortized over back-to-back runs (bench_runtime.py's way)."""
-    run()
-    gc.collect()
-    f0 = _GC["full"]
-    for _ in range(runs):
-        run()
-    return (_GC["full"] - f0) / runs
-
-
 def med(xs):
     return statistics.median(xs)
 
@@ -444,7 +434,7 @@ def measure(name: str, fn: Callable[[], None], args, cal: Dict[str, float], micr
     for _ in range(args.repeats):
         for m in modes:
             wall[m].append(timed_run(runs[m]))
-    full = {m: full_gc_ns(runs[m], args.gc_runs) for m in ("eager", "dtr")}
+    full = {m: full_gc_seconds(runs[m], args.gc_runs) * 1e9 for m in ("eager", "dtr")}
 
     # -- instrumented runs, taking turns: each times a few groups (inclusive), nothing else
     plan = [("dtr", groups) for groups in DTR_RUNS] + [("floor", ["floor mode"]), ("bare", ["bare mode"]),

@@ -87,8 +87,14 @@ class InfeasibleBudgetError(ValueError):
         return (type(self), (self.args[0], self.min_budget))
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """Bytes in the largest binary unit they fill: ``"4.69 KiB"``, ``"960 B"``."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt(n: int) -> str:
+    """``format_bytes`` with the exact count, for error messages."""
+    return f"{format_bytes(n)} ({n} bytes)" if abs(n) >= 1 << 10 else f"{n} bytes"

@@ -23,6 +23,7 @@ from typing import List, Optional
 
 from dtr.engine.events import GROUPS, Events, Failure, Holding, Tally
 from dtr.engine.telemetry import Stats
+from dtr.errors import format_bytes
 
 __all__ = ["Report", "report"]
 
@@ -57,28 +58,25 @@ class Report:
 
     def by_group(self) -> List[tuple]:
         """``(group, bytes)`` of ``holdings``, in ``GROUPS`` order, groups with bytes only."""
-        sums = {g: 0 for g in GROUPS}
-        for h in self.holdings:
-            sums[h.group] += h.nbytes
-        return [(g, n) for g, n in sums.items() if n]
+        return _by_group(self.holdings)
 
     def __str__(self) -> str:
         s = self.stats
         lines = ["dtr.explain: " + self.moment]
         if s is not None and s.ops:
-            budget = "none" if s.budget is None else _size(s.budget)
+            budget = "none" if s.budget is None else format_bytes(s.budget)
             lines.append(
-                f"  budget {budget}, peak {_size(s.peak_resident_bytes)}, {s.ops} ops, "
+                f"  budget {budget}, peak {format_bytes(s.peak_resident_bytes)}, {s.ops} ops, "
                 f"{s.evictions} evictions, {s.rematerializations} replays ({s.remat_seconds * 1e3:.1f} ms)"
             )
         if self.holdings:
             total = sum(h.nbytes for h in self.holdings)
-            lines.append(f"What holds the budget ({_size(total)}):")
+            lines.append(f"What holds the budget ({format_bytes(total)}):")
             for group, nbytes in self.by_group():
-                lines.append(f"  {group:<20} {_size(nbytes):>12}")
+                lines.append(f"  {group:<20} {format_bytes(nbytes):>12}")
                 rows = [h for h in self.holdings if h.group == group]
                 for h in rows[:_TOP]:
-                    lines.append(f"      {h.op:<34} {h.count:>6} x  {_size(h.nbytes):>12}")
+                    lines.append(f"      {h.op:<34} {h.count:>6} x  {format_bytes(h.nbytes):>12}")
                 if len(rows) > _TOP:
                     lines.append(f"      ... {len(rows) - _TOP} more ops")
         for title, tallies in (("Most expensive evictions (to recompute)", self.evictions),
@@ -86,17 +84,15 @@ class Report:
             if tallies:
                 lines.append(f"{title}, by the op that made the tensor:")
                 for t in tallies[:_TOP]:
-                    lines.append(f"      {t.op:<34} {t.count:>6} x  {_size(t.nbytes):>12}  {t.seconds * 1e3:>9.2f} ms")
+                    lines.append(f"      {t.op:<34} {t.count:>6} x  {format_bytes(t.nbytes):>12}  {t.seconds * 1e3:>9.2f} ms")
         f = self.failure
         if f is not None:
-            lines.append(f"Why the last {f.kind}: {f.op} needed {_size(f.needed_bytes)} at once; budget {_size(f.budget)}.")
+            lines.append(f"Why the last {f.kind}: {f.op} needed {format_bytes(f.needed_bytes)} at once; budget {format_bytes(f.budget)}.")
             if f.ratio is not None:
                 lines.append(f"  {f.replays} replays cost {f.ratio:.1f}x the block's own ops.")
-            held = {}
-            for h in f.holdings:
-                held[h.group] = held.get(h.group, 0) + h.nbytes
+            held = _by_group(f.holdings)
             if held:
-                lines.append("  held then: " + ", ".join(f"{g} {_size(n)}" for g, n in held.items()))
+                lines.append("  held then: " + ", ".join(f"{g} {format_bytes(n)}" for g, n in held))
             lines.append("  " + f.message)
         return "\n".join(lines)
 
@@ -116,9 +112,8 @@ def report(
     return Report(moment, list(holdings), evictions, replays, failure, stats)
 
 
-def _size(n: int) -> str:
-    """Bytes in the largest binary unit they fill (a tiny model's report is not all 0.00 MiB)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+def _by_group(holdings: List[Holding]) -> List[tuple]:
+    sums = {g: 0 for g in GROUPS}
+    for h in holdings:
+        sums[h.group] += h.nbytes
+    return [(g, n) for g, n in sums.items() if n]

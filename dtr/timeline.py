@@ -7,9 +7,10 @@ Two sources, one recorder:
 
 - a live block: ``dtr.budget(..., timeline=True)``, then ``engine.timeline()`` or
   ``engine.plot_timeline()`` (the last block);
-- a trace: ``dtr.Timeline.from_trace(trace)`` (or ``dtr.plot(trace)``) replays one of its blocks through the simulator, by default
-  at the budget it was recorded with, which repeats the recorded run's decisions
-  (docs/sim.md), so it draws the same timeline without running the model again.
+- a trace: ``dtr.Timeline.from_trace(trace)`` (or ``dtr.plot(trace)``) replays one of its
+  blocks through the simulator, by default at the budget it was recorded with, which repeats
+  the recorded run's decisions (docs/sim.md), so it draws the same timeline without running
+  the model again.
 
 The last sample is taken after the block has ended: the engine then charges nothing (what the
 program keeps is handed over), and evictions or replays the block's end caused are counted.

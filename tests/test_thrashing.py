@@ -1,8 +1,8 @@
 """Thrashing is an error, not a hang (Note [Thrashing] in dtr/engine/runtime.py).
 
-Near its lowest workable budget a model thrashes: the tiny TreeLSTM at 0.09 of its evictable
-room replays 52,000 ops to finish its step, four times what it replays at 0.1, and fails at
-0.08; a child-sum TreeLSTM of a hundred nodes at half its peak once ran for 50 minutes.
+Near its lowest workable budget a model thrashes: replays evict what the next one needs, and a
+step can run for minutes or hours (the tiny TreeLSTM at 0.09 of its evictable room is such a
+budget).
 ``dtr.budget``'s ``max_recompute`` stops the block once its replays cost ten times its own
 operations, with an error that says what to do, and leaves the engine usable.
 """

@@ -3,14 +3,15 @@
 Note [Swap or evict]
 ~~~~~~~~~~~~~~~~~~~~
 When the budget is exceeded, every resident unlocked storage is a candidate. A recomputable one
-can be evicted, at the cost the heuristic puts in its score (for the DTR family, the replay cost
-of the storage and its evicted neighbourhood, per byte and staleness); any one can be swapped
-(copied to the host and back later), at ``bytes / bandwidth`` per the same byte and staleness,
-if the host tier has room. That is the copy back, which the program may wait for; the copy out
-runs beside compute on an accelerator (the simulator counts swaps the same way), and charging
-it too would evict tensors whose copy back costs less than their recomputation (docs/runtime.md,
-"Swapping"). Each candidate takes the cheaper of the two, and the cheapest candidate goes first. Storages the engine cannot recompute (outputs of ops with side
-effects, storages whose lineage was cut) can only be swapped. The comparison is exact for scores
+can be evicted, at the cost the heuristic puts in its score (for the DTR family, the replay
+cost of the storage and its evicted neighbourhood, per byte and staleness); any one can be
+swapped (copied to the host and back later), at ``bytes / bandwidth`` per the same byte and
+staleness, if the host tier has room. That is the copy back, which the program may wait for;
+the copy out runs beside compute on an accelerator (the simulator counts swaps the same way),
+and charging it too would evict tensors whose copy back costs less than their recomputation
+(docs/runtime.md, "Swapping"). Each candidate takes the cheaper of the two, and the cheapest
+candidate goes first. Storages the engine cannot recompute (outputs of ops with side effects,
+storages whose lineage was cut) can only be swapped. The comparison is exact for scores
 of the form cost / (bytes * staleness) (h_DTR, h_DTR^eq, h_DTR-local, MSPS); other heuristics'
 scores are compared as they are.
 

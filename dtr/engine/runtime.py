@@ -794,9 +794,8 @@ class Runtime:
             s.last_access = now
         for s in rec.use_storages:
             s.last_access = now
-        if added:
-            self._retire_old_versions(rec, wanted)
         if added:  # re-deriving a view of a resident storage is not a rematerialization
+            self._retire_old_versions(rec, wanted)
             c = self.counters
             c.rematerializations += 1
             c.remat_cost += cost
@@ -851,10 +850,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ eviction
 
-    def _evict_to(self, target: int, opname: str) -> None:
+    def _evict_to(self, target: int, opname: str, best_effort: bool = False) -> None:
         """Evict candidates (resident, unlocked, recomputable storages) with the lowest
         score until ``memory <= target``: by (score, sid) when rescoring, within a relative
-        1e-5 of the lowest score with the candidate index (Note [Candidate index]).
+        1e-5 of the lowest score with the candidate index (Note [Candidate index]). With
+        ``best_effort`` the caller catches the ``OutOfBudgetError`` (``reserve``), so no
+        observer snapshots the failure: under a tight budget that happens before most ops.
 
         Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
         only when nothing larger can go: evicting them frees next to nothing, and recomputing
@@ -880,11 +881,8 @@ class Runtime:
             while self.memory > target:
                 s = index.pick()
                 if s is None:
-                    raise self._out_of_budget(target, opname)
-                self._evict(s)
-                self.counters.evictions += 1
-                if self.events is not None:
-                    self.events.evicted(s)
+                    raise self._out_of_budget(target, opname, best_effort)
+                self._evict_for_budget(s)
             return
         now = self.clock
         host = self.host
@@ -912,7 +910,7 @@ class Runtime:
                             if self.memory <= target:
                                 return
                             continue
-                        raise self._out_of_budget(target, opname)
+                        raise self._out_of_budget(target, opname, best_effort)
                     heap = later.pop()
                     heapify(heap)
                     continue
@@ -929,10 +927,7 @@ class Runtime:
             if host is not None and self._prefers_swap(s, now):
                 self._swap_out(s)
             else:
-                self._evict(s)
-                self.counters.evictions += 1
-                if self.events is not None:
-                    self.events.evicted(s)
+                self._evict_for_budget(s)
 
     def _small_below(self) -> float:
         """The size under which a storage is a last-resort candidate: 1% of the mean resident
@@ -967,6 +962,13 @@ class Runtime:
             except Exception:  # best effort: the original error is the one to report
                 pass
 
+    def _evict_for_budget(self, s: Storage) -> None:
+        """Evict ``s`` as a decision of the budget (or a plan): counted, and told to ``events``."""
+        self._evict(s)
+        self.counters.evictions += 1
+        if self.events is not None:
+            self.events.evicted(s)
+
     def _evict(self, s: Storage) -> None:
         if s.slot is not None:  # it has a row in the candidate index
             self._index.drop(s)  # type: ignore[union-attr]
@@ -986,7 +988,7 @@ class Runtime:
                 c.value = None
         s.views = ()
 
-    def _out_of_budget(self, target: int, opname: str) -> OutOfBudgetError:
+    def _out_of_budget(self, target: int, opname: str, best_effort: bool = False) -> OutOfBudgetError:
         locked = unrecomputable = 0
         for s in self.resident:
             if s.locks:
@@ -1005,7 +1007,7 @@ class Runtime:
                 "(dtr.budget(total=True)): tensors from before the block."
             )
         error = OutOfBudgetError(needed, target + self.outside, opname, detail)
-        if self.events is not None:
+        if self.events is not None and not best_effort:  # a caller that swallows it: no snapshot
             self.events.out_of_budget(error, self)
         return error
 
@@ -1167,8 +1169,9 @@ class Runtime:
         first: the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate
         gradients, all read by one ``stack`` at the end; a tree node's children's). So
         they are a last resort for life (``Storage.backward``; the tier of ``protect``):
-        evicted only when no activation of ordinary size can go. On the shipped traces this changes nothing for the
-        feed-forward models and saves recurrent ones from thrashing (docs/heuristics.md).
+        evicted only when no activation of ordinary size can go. On the shipped traces this
+        changes nothing for the feed-forward models and saves recurrent ones from thrashing
+        (docs/heuristics.md).
         Forward ops that run inside a backward pass (``torch.utils.checkpoint`` recomputing a
         segment, ``torch.autograd.grad`` called by a hook) are marked too; their results are
         read within the pass. It subsumes a plan's ``protect_new`` window over a stage's
@@ -1208,10 +1211,7 @@ class Runtime:
         freed = 0
         for s in storages:
             if s.state is RESIDENT and not s.locks and s.recomputable:
-                self._evict(s)
-                self.counters.evictions += 1
-                if self.events is not None:
-                    self.events.evicted(s)
+                self._evict_for_budget(s)
                 freed += s.nbytes
         return freed
 
@@ -1280,7 +1280,7 @@ class Runtime:
         nothing more can go the op runs anyway, and ``complete`` decides."""
         if self.budget is not None and self.memory + nbytes > self.budget:
             try:
-                self._evict_to(max(self.budget - nbytes, 0), opname)
+                self._evict_to(max(self.budget - nbytes, 0), opname, best_effort=True)
             except OutOfBudgetError:
                 pass
 

@@ -14,15 +14,16 @@ For each input signature (shapes and dtypes of the first stage's tensor argument
 3. From the next step with that signature on, the first forward sweep of the plan is applied
    as hints (``dtr.planner.hints``): stages the plan runs ``F_ck``/``F_none`` have their other
    tensors evicted when they end, ``F_none`` stages also evict their input once read,
-   checkpoints are protected (``Runtime.protect``: a last resort of eviction, not a pin) until
+   checkpoints are protected (``Runtime.protect``: a last resort of eviction, not a lock) until
    their gradient has been computed, and the tapes of ``F_all`` stages until their backward
-   ends; so is every stage's tape during its own backward (recomputed as needed). In the backward pass, what a planning stage's backward makes (the gradient of its
-   input above all, which the next backward step reads) is protected (``Runtime.protect_new``:
-   evicted only when no other storage of ordinary size can go) until the next stage's backward
-   begins, and then what the finished stage's forward made or recomputed that the program no
-   longer holds is evicted (its lineage stays), as the plan's accounting assumed. Everything
-   else, including every recomputation in the backward pass, is ordinary DTR: the heuristic
-   handles what the plan did not foresee.
+   ends; so is every stage's tape during its own backward (recomputed as needed). In the
+   backward pass, what a planning stage's backward makes (the gradient of its input above all,
+   which the next backward step reads) is protected (``Runtime.protect_new``: evicted only when
+   no other storage of ordinary size can go) until the next stage's backward begins, and then
+   what the finished stage's forward made or recomputed that the program no longer holds is
+   evicted (its lineage stays), as the plan's accounting assumed. Everything else, including
+   every recomputation in the backward pass, is ordinary DTR: the heuristic handles what the
+   plan did not foresee.
 
 A pass that does not run the stages in order (control flow that skips one, a stage called
 twice) applies nothing more from that point; a new signature is profiled, never given another
