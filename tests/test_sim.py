@@ -305,3 +305,102 @@ def test_version_1_traces_load_in_version_2_words(tmp_path):
     assert dtr.simulate(trace, None).feasible
     squeezed = dtr.simulate(trace, 200)  # a pin would make 200 bytes infeasible at op3
     assert squeezed.feasible and squeezed.evictions >= 2
+
+
+def test_every_call_event_replays_the_call_that_was_recorded(tmp_path):
+    """The trace's call events (``trace.CALLS``) are written by the recorder and replayed by the
+    simulator from one table: each call made on a recording runtime comes back from its trace
+    as the same method with the same arguments (cells and storages named by the output they
+    are)."""
+    import inspect
+
+    from dtr.engine import OpRecord, Runtime
+    from dtr.sim.record import RecordingRuntime
+    from dtr.sim.simulator import SimExecutor, run_block
+    from dtr.sim.trace import CALLS, TraceWriter
+
+    class Held:
+        """A tensor object the program holds (the runtime keeps a weak reference)."""
+
+    held = []
+
+    def program(rt):
+        """One op of three outputs, then every call event, by position and by keyword."""
+        a, b, c = rt.complete(OpRecord("make", [], None, 1.0, True), (), [(8, True, None)] * 3)
+        for cell in (a, b, c):
+            held.append(Held())
+            rt.track(held[-1], cell)
+        rt.make_permanent([a], yielding=True)
+        rt.make_permanent([b])
+        rt.set_backward(True)
+        rt.hold("w", 16)
+        rt.protect_new(True)
+        rt.protect([c.storage])
+        rt.unprotect(iter([c.storage]))  # any iterable, as the runtime takes
+        rt.protect_new(False)
+        rt.set_backward(False)
+        rt.evict([c.storage])
+        rt.before_write([b.storage])
+        rt.extract(b)
+        rt.retire([a.storage])
+        rt.set_budget(64, "a change")
+        rt.flush()
+
+    def spying(cls):
+        """A subclass of ``cls`` that logs the program's calls of the table's methods as
+        ``(method, {parameter: argument})``, not the calls the runtime makes on itself."""
+        calls = []
+        depth = [0]
+
+        class Spy(cls):
+            def complete(self, rec, mutated, fresh):
+                out = super().complete(rec, mutated, fresh)
+                made.extend(out)
+                return out
+
+        made = []
+        for event in CALLS.values():
+            run = getattr(cls, event.method)
+
+            signature = inspect.signature(getattr(Runtime, event.method))
+
+            def spy(self, *args, __run=run, __name=event.method, __sig=signature, **kwargs):
+                if not depth[0]:
+                    bound = __sig.bind(self, *args, **kwargs)
+                    bound.apply_defaults()
+                    named = {p: list(v) if p in ("storages", "roots") else v for p, v in bound.arguments.items()}
+                    del named["self"]
+                    if "storages" in bound.arguments:  # an iterable, read here and by the call
+                        args, kwargs = (), dict(named)
+                    calls.append((__name, named))
+                depth[0] += 1
+                try:
+                    return __run(self, *args, **kwargs)
+                finally:
+                    depth[0] -= 1
+
+            setattr(Spy, event.method, spy)
+        return Spy, calls, made
+
+    def by_output(calls, made):
+        """Each call with its cells and storages replaced by the index of their output."""
+        index = {id(c): i for i, c in enumerate(made)} | {id(c.storage): i for i, c in enumerate(made)}
+
+        def name(v):
+            return [name(x) for x in v] if isinstance(v, list) else index.get(id(v), v)
+
+        return [(method, {p: name(v) for p, v in args.items()}) for method, args in calls]
+
+    writer = TraceWriter(tmp_path / "calls.jsonl", {"heuristic": "dtr_eq", "cost": "estimate", "budget": None})
+    Recorder, recorded, recorded_made = spying(RecordingRuntime)
+    rt = Recorder(None, DTREq(), SimExecutor(), writer)
+    program(rt)
+    rt.close()
+    writer.close()
+    Replayer, replayed, replayed_made = spying(Runtime)
+    (block,) = load(tmp_path / "calls.jsonl").blocks
+    run_block(Replayer(None, DTREq(), SimExecutor()), block)
+
+    want = [(m, a) for m, a in by_output(recorded, recorded_made) if m != "set_budget"]  # simulations keep their budget
+    assert {m for m, _ in want} == {e.method for e in CALLS.values() if e.replayed}
+    assert by_output(replayed, replayed_made) == want

@@ -1,7 +1,9 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
 The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 2]): the
-recorder logs each call the driver makes, with tensors named by cell ids, then runs it. Calls
+recorder logs each call the driver makes, with tensors named by cell ids, then runs it. The
+calls that are one method each (``trace.CALLS``) are logged by overrides made from that table;
+the others (an op, acquires, references) are written here. Calls
 the runtime makes on itself (``close`` acquires and flushes, ``complete`` unlocks) are part of
 the outer call and are not logged, or a replay would run them twice.
 
@@ -13,12 +15,13 @@ which the same event covers).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from dtr.engine import Cell, OpRecord, Runtime, Storage
 from dtr.errors import OutOfBudgetError
-from dtr.sim.trace import TraceWriter
+from dtr.sim.trace import CALLS, CELL, CELLS, VALUE, CallEvent, TraceWriter
 
 __all__ = ["RecordingRuntime"]
 
@@ -147,24 +150,6 @@ class RecordingRuntime(Runtime):
         self._emit(event)
         return outs
 
-    def before_write(self, storages: Iterable[Storage]) -> None:
-        if self._depth:
-            return super().before_write(storages)
-        storages = list(storages)
-        self._call({"e": "write", "cells": [self._cid(s.root) for s in storages]}, super().before_write, storages)
-
-    def retire(self, storages: Iterable[Storage]) -> None:
-        if self._depth:
-            return super().retire(storages)
-        storages = list(storages)
-        self._call({"e": "retire", "cells": [self._cid(s.root) for s in storages]}, super().retire, storages)
-
-    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
-        if self._depth:
-            return super().make_permanent(roots, yielding)
-        event = {"e": "permanent", "cells": [self._cid(c) for c in roots], "yielding": yielding}
-        self._call(event, super().make_permanent, roots, yielding)
-
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:
             return super().reserve(nbytes, opname)
@@ -172,52 +157,6 @@ class RecordingRuntime(Runtime):
         # event carries it, so that a replay makes room at the same point.
         self._reserved = nbytes
         self._call(None, super().reserve, nbytes, opname)
-
-    def hold(self, key: Any, nbytes: int) -> None:
-        if self._depth:
-            return super().hold(key, nbytes)
-        self._call({"e": "hold", "key": key, "bytes": nbytes}, super().hold, key, nbytes)
-
-    def extract(self, cell: Cell) -> Any:
-        if self._depth:
-            return super().extract(cell)
-        return self._call({"e": "extract", "cell": self._cid(cell)}, super().extract, cell)
-
-    def flush(self) -> None:
-        if self._depth:
-            return super().flush()
-        self._call({"e": "flush"}, super().flush)
-
-    def set_budget(self, budget: Optional[int], opname: str = "set budget") -> None:
-        if self._depth:
-            return super().set_budget(budget, opname)
-        self._call({"e": "budget", "budget": budget}, super().set_budget, budget, opname)
-
-    def set_backward(self, on: bool) -> None:
-        if self._depth:
-            return super().set_backward(on)
-        self._call({"e": "backward", "on": on}, super().set_backward, on)
-
-    def protect_new(self, on: bool) -> None:
-        if self._depth:
-            return super().protect_new(on)
-        self._call({"e": "protect_new", "on": on}, super().protect_new, on)
-
-    def protect(self, storages: Iterable[Storage]) -> None:
-        self._on_storages("protect", super().protect, storages)
-
-    def unprotect(self, storages: Iterable[Storage]) -> None:
-        self._on_storages("unprotect", super().unprotect, storages)
-
-    def evict(self, storages: Iterable[Storage]) -> int:
-        return self._on_storages("evict", super().evict, storages)
-
-    def _on_storages(self, kind: str, fn, storages: Iterable[Storage]):
-        """A plan's call on a list of storages, logged by their root cells."""
-        if self._depth:
-            return fn(storages)
-        storages = list(storages)
-        return self._call({"e": kind, "cells": [self._cid(s.root) for s in storages]}, fn, storages)
 
     def close(self) -> None:
         try:
@@ -255,6 +194,38 @@ class RecordingRuntime(Runtime):
         if self._pending is not None:
             self.writer.write(self._pending[1])
             self._pending = None
+
+
+def _logged(event: CallEvent):
+    """``RecordingRuntime``'s override of the method ``event`` records: log the call, with its
+    arguments coded as the event says, then run it."""
+    run = getattr(Runtime, event.method)
+    signature = inspect.signature(run)
+
+    def logged(self, *args, **kwargs):
+        if self._depth:
+            return run(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        logged_event = {"e": event.name}
+        for key, param, coding in event.fields:
+            v = values[param]
+            if coding is CELL:
+                v = self._cid(v)
+            elif coding is not VALUE:
+                values[param] = v = list(v)  # an iterable is read twice: here and by the call
+                v = [self._cid(c if coding is CELLS else c.root) for c in v]
+            logged_event[key] = v
+        return self._call(logged_event, run, *bound.args)
+
+    logged.__name__ = logged.__qualname__ = event.method
+    logged.__doc__ = run.__doc__
+    return logged
+
+
+for _event in CALLS.values():
+    setattr(RecordingRuntime, _event.method, _logged(_event))
 
 
 def _key(cells: Iterable[Cell]) -> tuple:

@@ -18,7 +18,7 @@ from dtr.config import parse_bytes
 from dtr.engine import Heuristic, OpRecord, Runtime, make_heuristic
 from dtr.engine.host_tier import HostTier
 from dtr.errors import OutOfBudgetError
-from dtr.sim.trace import Trace, load
+from dtr.sim.trace import CALLS, CELL, CELLS, VALUE, Trace, load
 
 __all__ = ["SimResult", "simulate"]
 
@@ -248,30 +248,26 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
             rt.unlock([cell(c) for c in event["cells"]])
         elif kind == "resolve":
             cells[event["to"]] = rt.resolve(cell(event["cell"]))
-        elif kind == "write":
-            rt.before_write([cell(c).storage for c in event["cells"]])
-        elif kind == "retire":
-            rt.retire([cell(c).storage for c in event["cells"]])
-        elif kind == "permanent":
-            rt.make_permanent([cell(c) for c in event["cells"]], event.get("yielding", False))
-        elif kind == "extract":
-            rt.extract(cell(event["cell"]))
-        elif kind == "hold":
-            rt.hold(event["key"], event["bytes"])
-        elif kind == "flush":
-            rt.flush()
-        elif kind == "evict":
-            rt.evict([cell(c).storage for c in event["cells"]])
-        elif kind == "backward":
-            rt.set_backward(event["on"])
-        elif kind == "protect_new":
-            rt.protect_new(event["on"])
-        elif kind == "protect":
-            rt.protect([cell(c).storage for c in event["cells"]])
-        elif kind == "unprotect":
-            rt.unprotect([cell(c).storage for c in event["cells"]])
+        elif kind in CALLS:
+            call = CALLS[kind]
+            if call.replayed:
+                getattr(rt, call.method)(**{
+                    param: _decoded(event[key], coding, cell) for key, param, coding in call.fields if key in event
+                })
         elif kind == "end":
             rt.close()
-        elif kind not in ("begin", "budget"):
+        elif kind != "begin":
             raise ValueError(f"dtr: unknown trace event {kind!r}")
     return cost
+
+
+def _decoded(value: Any, coding: str, cell) -> Any:
+    """A call's argument from its field in an event (trace.CallEvent); ``cell`` maps a cell id
+    to the cell."""
+    if coding is VALUE:
+        return value
+    if coding is CELL:
+        return cell(value)
+    if coding is CELLS:
+        return [cell(c) for c in value]
+    return [cell(c).storage for c in value]

@@ -12,7 +12,9 @@ Header: ``{"format": "dtr-trace", "version": 2, "heuristic": name, "cost": "auto
 Events are the calls the driver made on its runtime, in order, so that replaying them through
 ``dtr.engine.Runtime`` repeats every decision the engine took (``dtr.sim.simulator``). Tensors
 are named by *cell ids* (small integers, in order of first appearance; a cell is one tensor
-over a storage: its root or a view) and program references by *ref ids*.
+over a storage: its root or a view) and program references by *ref ids*. The events that are
+one runtime call each are described once, in ``CALLS``, which the recorder (record.py) and the
+simulator (simulator.py) both follow.
 
 - ``{"e": "begin", "budget": b}`` / ``{"e": "end"}``: a block starts (with its budget) / ends
   (``Runtime.close``: live tensors made resident, lineage dropped).
@@ -69,12 +71,55 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-__all__ = ["FORMAT", "VERSION", "Trace", "TraceWriter", "load"]
+__all__ = ["CALLS", "FORMAT", "VERSION", "CallEvent", "Trace", "TraceWriter", "load"]
 
 FORMAT = "dtr-trace"
 VERSION = 2
+
+# How a runtime call's argument is written in an event: a cell by its id, a list of cells by
+# their ids, a list of storages by their root cells' ids, or a JSON value as it is.
+CELL, CELLS, STORAGES, VALUE = "cell", "cells", "storages", "value"
+
+
+@dataclass(frozen=True)
+class CallEvent:
+    """An event that is one call of a ``Runtime`` method, logged as it was made: the recorder
+    writes and the simulator replays every such event from this one description.
+
+    ``fields`` are ``(field, parameter, coding)``: the event's key, the method's parameter it
+    holds, and how it is written (``CELL``, ``CELLS``, ``STORAGES`` or ``VALUE``). Parameters
+    not listed (``set_budget``'s op name) are not recorded. ``replayed=False``: simulations
+    skip the event (they run at a budget of their own).
+    """
+
+    name: str
+    method: str
+    fields: Tuple[Tuple[str, str, str], ...] = ()
+    replayed: bool = True
+
+
+# Events with a logic of their own are not calls of one method: ``begin``/``end`` (a block),
+# ``op`` (acquire, reserve and complete), ``acquire``/``unlock`` (held back and paired),
+# ``ref``/``free`` (program references) and ``resolve`` (logged only when it moves a cell).
+CALLS: Dict[str, CallEvent] = {
+    e.name: e
+    for e in (
+        CallEvent("write", "before_write", (("cells", "storages", STORAGES),)),
+        CallEvent("retire", "retire", (("cells", "storages", STORAGES),)),
+        CallEvent("permanent", "make_permanent", (("cells", "roots", CELLS), ("yielding", "yielding", VALUE))),
+        CallEvent("extract", "extract", (("cell", "cell", CELL),)),
+        CallEvent("hold", "hold", (("key", "key", VALUE), ("bytes", "nbytes", VALUE))),
+        CallEvent("flush", "flush"),
+        CallEvent("budget", "set_budget", (("budget", "budget", VALUE),), replayed=False),
+        CallEvent("backward", "set_backward", (("on", "on", VALUE),)),
+        CallEvent("protect_new", "protect_new", (("on", "on", VALUE),)),
+        CallEvent("protect", "protect", (("cells", "storages", STORAGES),)),
+        CallEvent("unprotect", "unprotect", (("cells", "storages", STORAGES),)),
+        CallEvent("evict", "evict", (("cells", "storages", STORAGES),)),
+    )
+}
 
 
 def _open(path: Path, mode: str):
