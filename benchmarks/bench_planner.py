@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dtr.planner import HAS_NATIVE, Chain, simulate, solve, store_all
+from dtr.planner import HAS_NATIVE, Chain, evaluate, solve, store_all
 
 from provenance import commit, machine
 
@@ -46,7 +46,7 @@ def time_solve(chain: Chain, backend: str, repeats: int, **kwargs) -> tuple:
 
     CPU time is reported too because on a shared machine other processes stretch wall time.
     """
-    budget = 0.4 * simulate(chain, store_all(chain))[1]
+    budget = 0.4 * evaluate(chain, store_all(chain))[1]
     wall, cpu = [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()

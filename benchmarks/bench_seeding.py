@@ -39,8 +39,7 @@ from pathlib import Path
 import torch
 
 import dtr
-from dtr.planner import checkpoint_sequential, store_all
-from dtr.planner import simulate as simulate_plan
+from dtr.planner import checkpoint_sequential, evaluate, store_all
 from dtr.testing import zoo
 from dtr.testing.step import fresh_model, timed_step
 
@@ -84,10 +83,10 @@ def measure(name: str, fractions, repeats: int, size: str, tmp: Path):
                        seeded_feasible=sim.feasible, planned=plan is not None)
             if plan is not None:
                 (chain, _, _), = seeded._seeding.segments[0].profiles.values()
-                base_seg, _ = simulate_plan(chain, store_all(chain))
+                base_seg, _ = evaluate(chain, store_all(chain))
                 row["optimum_ratio"] = (sim.base_cost + plan.makespan - base_seg) / sim.base_cost
                 k = max(1, round(math.sqrt(chain.length)))
-                ck_time, ck_peak = simulate_plan(chain, checkpoint_sequential(chain, k))
+                ck_time, ck_peak = evaluate(chain, checkpoint_sequential(chain, k))
                 row.update(checkpoint_ratio=(sim.base_cost + ck_time - base_seg) / sim.base_cost,
                            checkpoint_peak_fraction=(ck_peak + (peak - chain_peak(chain))) / peak)
         except dtr.OutOfBudgetError:
@@ -103,7 +102,7 @@ def measure(name: str, fractions, repeats: int, size: str, tmp: Path):
 
 def chain_peak(chain) -> float:
     """The segment's store-all peak: what the unlimited run's peak owes to the segment."""
-    return simulate_plan(chain, store_all(chain))[1]
+    return evaluate(chain, store_all(chain))[1]
 
 
 def plot(rows, path: Path) -> bool:

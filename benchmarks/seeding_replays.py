@@ -20,8 +20,7 @@ import torch
 
 import dtr
 from dtr.eager.driver import Driver
-from dtr.planner import simulate as simulate_plan
-from dtr.planner import store_all
+from dtr.planner import evaluate, store_all
 from dtr.testing import zoo
 from dtr.testing.step import fresh_model, timed_step
 
@@ -45,7 +44,7 @@ def replays(model_name: str, fraction: float):
     if plan is None:
         return None
     (chain, _, _), = seeded._seeding.segments[0].profiles.values()
-    planned = plan.makespan - simulate_plan(chain, store_all(chain))[0]
+    planned = plan.makespan - evaluate(chain, store_all(chain))[0]
     log = collections.defaultdict(lambda: [0, 0.0])
     original = Driver.replay
 

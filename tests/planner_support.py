@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from dtr.planner import HAS_NATIVE, Chain, InfeasibleBudgetError, Plan, simulate, solve, store_all
+from dtr.planner import HAS_NATIVE, Chain, InfeasibleBudgetError, Plan, evaluate, solve, store_all
 
 #: Both DP backends in one pytest run (parametrize, not a fixture: Hypothesis tests use it too).
 BACKENDS = ["python", pytest.param("native", marks=pytest.mark.skipif(
@@ -52,7 +52,7 @@ def chains(draw, max_stages: int = 6, max_size: int = 6, integer_times: bool = T
 
 
 def peak_all(chain: Chain) -> float:
-    return simulate(chain, store_all(chain))[1]
+    return evaluate(chain, store_all(chain))[1]
 
 
 def solve_checked(chain: Chain, budget: float, **kwargs) -> Optional[Plan]:
@@ -64,7 +64,7 @@ def solve_checked(chain: Chain, budget: float, **kwargs) -> Optional[Plan]:
         assert error.min_budget > budget
         return None
     assert plan.peak <= budget
-    assert simulate(chain, plan.ops, budget=budget, offload_bandwidth=plan.offload_bandwidth) == (
+    assert evaluate(chain, plan.ops, budget=budget, offload_bandwidth=plan.offload_bandwidth) == (
         plan.makespan, plan.peak)
     return plan
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import dtr.planner
-from dtr.planner import Chain, simulate
+from dtr.planner import Chain, evaluate
 from planner_support import TOY
 
 # The paper's optimal toy sequence at 90 MB (planner notes §1.8, errata 3), loss ops implicit.
@@ -45,7 +45,7 @@ def test_chain_clamps_tape_below_output():
 
 def test_toy_sequence_matches_paper():
     # 47.42 ms as in the paper; 86.77 MB rather than 86.75 because ā^4 is clamped up by 0.02 MB.
-    makespan, peak = simulate(TOY, TOY_90MB)
+    makespan, peak = evaluate(TOY, TOY_90MB)
     assert makespan == pytest.approx(47.42)
     assert peak == 8677
 
@@ -55,20 +55,20 @@ def test_explicit_loss_stage_is_the_implicit_loss_step():
     explicit = Chain([*TOY.forward_time, 0], [*TOY.backward_time, 0], [*TOY.output_bytes, 0],
                      [*TOY.saved_bytes, 0], [0] * 7, [*TOY.backward_overhead, 0], TOY.input_bytes)
     ops = TOY_90MB[:6] + [("F_all", 7), ("B", 7)] + TOY_90MB[6:]
-    assert simulate(explicit, ops) == simulate(TOY, TOY_90MB)
+    assert evaluate(explicit, ops) == evaluate(TOY, TOY_90MB)
 
 
 def test_printed_paper_sequence_exceeds_budget():
     # Erratum 3 of the planner notes: the paper prints F_all^3 in the first sweep. Keeping ā^3 from
     # there (no second F^1..F^3) peaks at 97.45 MB (+0.02 for the clamped ā^4), over the 90 MB budget.
     printed = TOY_90MB[:2] + [("F_all", 3)] + TOY_90MB[3:9] + [("B", 3)] + TOY_90MB[13:]
-    assert simulate(TOY, printed)[1] == 9747
+    assert evaluate(TOY, printed)[1] == 9747
 
 
 def test_peak_counts_input_and_gradients():
     chain = tiny(L=1, output_bytes=[5], saved_bytes=[7], backward_overhead=[11], input_bytes=3)
     # B^1 holds a^0 (3) + ā^1 (7) + δ^1 (5) + δ^0 (3) + overhead 11.
-    assert simulate(chain, [("F_all", 1), ("B", 1)]) == (2.0, 29.0)
+    assert evaluate(chain, [("F_all", 1), ("B", 1)]) == (2.0, 29.0)
 
 
 @pytest.mark.parametrize("ops, message", [
@@ -93,15 +93,15 @@ def test_peak_counts_input_and_gradients():
     ([("F_ck", 1), ("F_all", 2), ("offload", 1), ("prefetch", 2)], "offloads must come before the loss"),
     ([("F_ck", 1), ("F_all", 2), ("prefetch", 1)], "a\\^0 is not on the host"),
 ])
-def test_simulate_rejects_invalid_sequences(ops, message):
+def test_evaluate_rejects_invalid_sequences(ops, message):
     with pytest.raises(ValueError, match=message):
-        simulate(tiny(), ops, offload_bandwidth=1.0)
+        evaluate(tiny(), ops, offload_bandwidth=1.0)
 
 
-def test_simulate_wants_a_bandwidth_for_transfers():
+def test_evaluate_wants_a_bandwidth_for_transfers():
     ops = [("F_ck", 1), ("offload", 1), ("F_all", 2), ("B", 2), ("prefetch", 1), ("F_all", 1), ("B", 1)]
     with pytest.raises(ValueError, match="pass offload_bandwidth"):
-        simulate(tiny(), ops)
+        evaluate(tiny(), ops)
 
 
 # Note [Offload and prefetch], by hand. a^0 = 3 goes out after F_ck^1 (t = 1) at 1 byte per unit.
@@ -114,22 +114,22 @@ OFFLOAD_OPS = [("F_ck", 1), ("offload", 1), ("F_all", 2), ("B", 2), ("prefetch",
 
 
 def test_transfers_wait_for_memory_under_a_budget():
-    assert simulate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=8, offload_bandwidth=1.0) == (9.0, 8.0)
+    assert evaluate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=8, offload_bandwidth=1.0) == (9.0, 8.0)
 
 
 def test_transfers_without_budget_never_wait():
     # F_all^2 starts at t = 1 with 3 bytes in flight (9); the makespan is the same 2 + (2 + 2) + 3.
-    assert simulate(OFFLOAD_CHAIN, OFFLOAD_OPS, offload_bandwidth=1.0) == (9.0, 9.0)
+    assert evaluate(OFFLOAD_CHAIN, OFFLOAD_OPS, offload_bandwidth=1.0) == (9.0, 9.0)
 
 
 def test_fast_transfers_cost_nothing():
-    makespan, peak = simulate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=8, offload_bandwidth=1e9)
+    makespan, peak = evaluate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=8, offload_bandwidth=1e9)
     assert makespan == pytest.approx(5.0) and peak <= 8
 
 
 def test_budget_too_small_for_an_op_even_without_transfers():
     with pytest.raises(ValueError, match=r"ops\[6\] = \('B', 1\) holds 8.0 even with no transfer"):
-        simulate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=7, offload_bandwidth=1.0)
+        evaluate(OFFLOAD_CHAIN, OFFLOAD_OPS, budget=7, offload_bandwidth=1.0)
 
 
 def test_import_does_not_load_torch():
@@ -139,3 +139,13 @@ def test_import_does_not_load_torch():
 
 def test_package_tour_runs():
     assert doctest.testmod(dtr.planner).failed == 0
+
+
+def test_simulate_is_a_deprecated_name_of_evaluate():
+    """``dtr.planner.simulate`` still evaluates a schedule, and says that its name is now
+    ``evaluate`` (``dtr.simulate`` replays traces)."""
+    with pytest.warns(DeprecationWarning, match="dtr.planner.evaluate"):
+        old = dtr.planner.simulate
+    assert old(TOY, TOY_90MB) == evaluate(TOY, TOY_90MB)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        dtr.planner.no_such_name

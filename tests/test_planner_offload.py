@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dtr.planner import Chain, InfeasibleBudgetError, _native, offload, rotor, simulate, solve
+from dtr.planner import Chain, InfeasibleBudgetError, _native, evaluate, offload, rotor, solve
 from planner_support import BACKENDS, TOY, chains, least_budget, peak_all, solve_checked
 
 TOY_REMAT_85MB = 56.17  # planner notes §1.8
@@ -27,11 +27,11 @@ def test_combined_dp_is_no_worse_than_remat_on_the_same_grid(chain, fraction, ba
     if combined is None:
         return
     ops, predicted = combined
-    makespan, peak = simulate(chain, ops, budget=budget, offload_bandwidth=bandwidth)
+    makespan, peak = evaluate(chain, ops, budget=budget, offload_bandwidth=bandwidth)
     assert peak <= budget
     assert makespan <= predicted * (1 + 1e-9)  # rounding debts up only ever delays the DP's schedule
     if remat is not None:
-        assert makespan <= simulate(chain, remat[0])[0] * (1 + 1e-9)
+        assert makespan <= evaluate(chain, remat[0])[0] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dtr.planner import (Chain, InfeasibleBudgetError, checkpoint_sequential, chen_sqrt, recompute_all,
-                         simulate, solve, store_all)
+from dtr.planner import (Chain, InfeasibleBudgetError, checkpoint_sequential, chen_sqrt, evaluate,
+                         recompute_all, solve, store_all)
 from dtr.planner.rotor import remat_lower_bound
 from planner_support import (BACKENDS, TOY, chains, counterexample, least_budget, peak_all, search,
                              solve_checked)
@@ -31,7 +31,7 @@ def test_toy_makespan_curve(budget, makespan, backend):
 def test_toy_optimal_sequence_at_90mb(backend):
     plan = solve(TOY, 9000, slots=9000, backend=backend)
     assert plan.ops == TOY_90MB
-    assert (plan.makespan, plan.peak) == simulate(TOY, TOY_90MB)
+    assert (plan.makespan, plan.peak) == evaluate(TOY, TOY_90MB)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,7 +80,7 @@ def test_dp_is_optimal_among_persistent_sequences(chain, where):
         assert best == math.inf
         return
     assert plan.makespan == best
-    assert simulate(chain, ops) == (best, simulate(chain, ops)[1])
+    assert evaluate(chain, ops) == (best, evaluate(chain, ops)[1])
     assert search(chain, budget, persistent=False)[0] <= plan.makespan
 
 
@@ -134,7 +134,7 @@ def test_baseline_sequences():
     assert chen_sqrt(chain) == [  # ceil(sqrt(5)) = 3 stages per segment
         ("F_ck", 1), ("F_none", 2), ("F_none", 3), ("F_all", 4), ("F_all", 5), ("B", 5), ("B", 4),
         ("F_all", 1), ("F_all", 2), ("F_all", 3), ("B", 3), ("B", 2), ("B", 1)]
-    assert simulate(chain, recompute_all(chain))[0] == 5 + 10 + sum(range(1, 6))  # F^1..F^k again per B^k
+    assert evaluate(chain, recompute_all(chain))[0] == 5 + 10 + sum(range(1, 6))  # F^1..F^k again per B^k
     with pytest.raises(ValueError, match="segments = 6"):
         checkpoint_sequential(chain, 6)
 
@@ -144,7 +144,7 @@ def test_baseline_sequences():
 def test_dp_beats_every_baseline_at_its_peak(chain, segments):
     segments = min(segments, chain.length)
     for ops in (store_all(chain), recompute_all(chain), checkpoint_sequential(chain, segments), chen_sqrt(chain)):
-        makespan, peak = simulate(chain, ops)
+        makespan, peak = evaluate(chain, ops)
         assume(peak > 0)
         assert solve(chain, peak, slots=int(peak)).makespan <= makespan
 

@@ -19,8 +19,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 
 import dtr
 from dtr.eager.driver import Driver
-from dtr.planner import store_all
-from dtr.planner import simulate as simulate_plan
+from dtr.planner import evaluate, store_all
 from dtr.planner.hints import StageHint, forward_hints
 from dtr.sim import load
 from dtr.testing import zoo
@@ -95,7 +94,7 @@ def test_a_seeded_mlp_follows_its_plan_and_matches_eager(fraction, tmp_path):
     # (within 5%), measured by replaying the seeded step's trace in the simulator.
     sim = dtr.simulate(path, budget)
     assert sim.feasible
-    store_all_time, _ = simulate_plan(chain, store_all(chain))
+    store_all_time, _ = evaluate(chain, store_all(chain))
     predicted = sim.base_cost + plan.makespan - store_all_time
     assert sim.total_cost == pytest.approx(predicted, rel=0.05)
 
@@ -166,7 +165,7 @@ def test_a_seeded_step_recomputes_what_its_plan_does(name, segment, fraction, bo
     engine = dtr.budget(int(peak * fraction), cost="estimate", plan=[segment(model)])
     run_step_in(w, model, engine)  # profiles the segment
     plan, chain, _ = _plan_and_chain(engine)
-    planned = plan.makespan - simulate_plan(chain, store_all(chain))[0]
+    planned = plan.makespan - evaluate(chain, store_all(chain))[0]
     replayed = []
     original = Driver.replay
 

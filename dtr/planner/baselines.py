@@ -1,6 +1,6 @@
 """Baseline schedules in the planners' vocabulary, for comparison with the DP.
 
-Each returns an op list; :func:`dtr.planner.simulate` gives its makespan and peak. All are ``O(L)``
+Each returns an op list; :func:`dtr.planner.evaluate` gives its makespan and peak. All are ``O(L)``
 ops long except :func:`recompute_all` (``O(L^2)``).
 """
 

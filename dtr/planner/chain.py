@@ -113,10 +113,10 @@ class Chain:
 class Plan:
     """A schedule for one training step of a chain and what it costs.
 
-    ``makespan`` and ``peak`` are what :func:`dtr.planner.simulate` returns for ``ops`` with exact
+    ``makespan`` and ``peak`` are what :func:`dtr.planner.evaluate` returns for ``ops`` with exact
     sizes (``peak`` includes the input ``a^0``). ``budget`` is the budget it was solved for and
     ``offload_bandwidth`` the bandwidth its transfers were timed with (None if it has none); pass
-    both to ``simulate`` to replay a plan with transfers.
+    both to ``evaluate`` to replay a plan with transfers.
     """
 
     ops: List[Op]

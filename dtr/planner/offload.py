@@ -1,6 +1,6 @@
 """The combined rematerialization + offloading DP ("pofo", Beaumont et al., NeurIPS 2021, App. B).
 
-The schedule model is Note [Offload and prefetch] in ``simulate.py``: persistent remat plans whose
+The schedule model is Note [Offload and prefetch] in ``evaluate.py``: persistent remat plans whose
 stored sub-chain inputs may go to the host during the forward phase and come back during the
 backward phase, over one channel of ``rate`` memory levels per time unit. Memory is in ``N`` levels
 (about 50 suffice, per the paper).
@@ -30,7 +30,7 @@ Note [Departures from the appendix]
    memory of a tensor the op is still reading. Here ``I`` is issued after ``F^i`` ends and must be
    back before the op that reads it starts, in both phases (``ΔF' = max(ΔF - D_F, 0) + I``).
 2. Debts (in levels) are rounded up to whole levels after every step (within 1e-9 of a level, so
-   that float noise does not add a level). Rounding up only delays things, so the simulated plan is
+   that float noise does not add a level). Rounding up only delays things, so the evaluated plan is
    never slower than the DP's value, nor over the budget.
 3. Forward blocks (``F_ck^i, F_none...``) are timed op by op: the input joins the transfer queue
    after ``F_ck^i``, so one Lemma-1 wait from the block start would not be exact. Backward blocks

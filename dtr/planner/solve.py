@@ -1,8 +1,8 @@
 """``solve``: the planners' front door. Picks the DP, checks its plan, explains infeasible budgets.
 
-Note [Every plan is simulated]
+Note [Every plan is evaluated]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A returned plan's ``makespan`` and ``peak`` come from :func:`simulate` with exact sizes, never from
+A returned plan's ``makespan`` and ``peak`` come from :func:`evaluate` with exact sizes, never from
 the DP's own arithmetic: the DP works in rounded memory units, and its float sums run in another
 order. Solving also asserts what the DPs promise (peak within the budget; remat makespan equal to
 the DP value; combined makespan no worse than its DP value), so a bug cannot hand out a plan
@@ -27,7 +27,7 @@ from dtr.errors import InfeasibleBudgetError
 from dtr.planner import _native, offload, rotor
 from dtr.planner.baselines import store_all
 from dtr.planner.chain import Chain, Number, Op, Plan
-from dtr.planner.simulate import simulate
+from dtr.planner.evaluate import evaluate
 
 __all__ = ["solve"]
 
@@ -43,16 +43,16 @@ def _check(name: str, value: object, integral: bool = False, upper: float = math
 
 def _checked(chain: Chain, found: Tuple[List[Op], float], budget: Number,
              bandwidth: Optional[float]) -> Plan:
-    """Simulate a DP plan and assert the DP's promises; see Note [Every plan is simulated]."""
+    """Evaluate a DP plan and assert the DP's promises; see Note [Every plan is evaluated]."""
     ops, predicted = found
     try:
-        makespan, peak = simulate(chain, ops, budget=budget if bandwidth else None, offload_bandwidth=bandwidth)
+        makespan, peak = evaluate(chain, ops, budget=budget if bandwidth else None, offload_bandwidth=bandwidth)
     except ValueError as exc:
         raise AssertionError(f"dtr.planner bug: the DP returned an invalid plan ({exc}); please report it") from exc
     slack = 1e-9 * max(1.0, abs(predicted))
     exact = abs(makespan - predicted) <= slack if bandwidth is None else makespan <= predicted + slack
     if peak > budget or not exact:
-        raise AssertionError(f"dtr.planner bug: plan simulates to makespan {makespan}, peak {peak}; the DP "
+        raise AssertionError(f"dtr.planner bug: plan evaluates to makespan {makespan}, peak {peak}; the DP "
                              f"predicted {predicted} within budget {budget}; please report it")
     return Plan(ops, makespan, peak, budget, bandwidth)
 
@@ -103,7 +103,7 @@ def solve(chain: Chain, budget: Number, *, slots: int = 500, offload_bandwidth: 
     Without ``offload_bandwidth``: the optimal *persistent* rematerialization plan (rotor's DP;
     the persistent optimum can be up to 1.5x the unrestricted one on contrived chains, and equals
     it on the networks the paper measured). With it: also the combined remat + offload DP, and the
-    faster of the two simulated plans (the combined DP's coarser memory grid can lose to rotor's).
+    faster of the two evaluated plans (the combined DP's coarser memory grid can lose to rotor's).
     If the store-all schedule fits, it is returned: nothing is faster.
 
     Args:
@@ -115,7 +115,7 @@ def solve(chain: Chain, budget: Number, *, slots: int = 500, offload_bandwidth: 
         backend: ``"auto"`` (native if built), ``"python"`` or ``"native"``; all give the same plan.
 
     Returns:
-        A :class:`Plan` whose ``makespan`` and ``peak`` are those :func:`simulate` gives it.
+        A :class:`Plan` whose ``makespan`` and ``peak`` are those :func:`evaluate` gives it.
 
     Raises:
         dtr.InfeasibleBudgetError: no plan fits; ``min_budget`` is the smallest budget ``solve``
@@ -137,7 +137,7 @@ def solve(chain: Chain, budget: Number, *, slots: int = 500, offload_bandwidth: 
                              f"the chain has {chain.length}; group stages into blocks")
     impl = _native.backend(backend)
     baseline = store_all(chain)
-    makespan, peak_all = simulate(chain, baseline)
+    makespan, peak_all = evaluate(chain, baseline)
     if peak_all <= budget:
         return Plan(baseline, makespan, peak_all, budget)
     plans = []

@@ -1,4 +1,4 @@
-"""Exact simulator of an op sequence: validity, makespan and peak memory with undiscretized sizes.
+"""Exact evaluation of an op sequence: validity, makespan and peak memory with undiscretized sizes.
 
 Every plan the planners return is checked here, and the tests use it as their oracle. Cost is
 ``O(len(ops) * L)`` (each op sums the stored sizes with ``math.fsum``, so the peak of integer sizes
@@ -55,7 +55,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from dtr.planner.chain import OP_KINDS, Chain, Number, Op
 
-__all__ = ["simulate"]
+__all__ = ["evaluate"]
 
 
 class _Event(NamedTuple):
@@ -93,22 +93,22 @@ class _Walk:
 
     def _need(self, where: str, k: int, what: str) -> None:
         if self.stored[k] is None:
-            raise ValueError(f"simulate: {where} needs a^{k} ({what}), which is not stored")
+            raise ValueError(f"evaluate: {where} needs a^{k} ({what}), which is not stored")
         if self.on_host[k]:
-            raise ValueError(f"simulate: {where} needs a^{k} ({what}), which is on the host; "
+            raise ValueError(f"evaluate: {where} needs a^{k} ({what}), which is on the host; "
                              f"put ('prefetch', {k + 1}) before it")
 
     def apply(self, index: int, op: Op) -> None:
         if not (isinstance(op, (tuple, list)) and len(op) == 2):
-            raise ValueError(f"simulate: ops[{index}] = {op!r} is not a (kind, stage) pair")
+            raise ValueError(f"evaluate: ops[{index}] = {op!r} is not a (kind, stage) pair")
         kind, stage = op
         where = f"ops[{index}] = {tuple(op)!r}"
         if kind not in OP_KINDS:
-            raise ValueError(f"simulate: {where}: unknown kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
+            raise ValueError(f"evaluate: {where}: unknown kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
         if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 1 <= stage <= self.L:
-            raise ValueError(f"simulate: {where}: stage must be an int in 1..{self.L}")
+            raise ValueError(f"evaluate: {where}: stage must be an int in 1..{self.L}")
         if self.done:
-            raise ValueError(f"simulate: {where} comes after B^1, which already computed δ^0")
+            raise ValueError(f"evaluate: {where} comes after B^1, which already computed δ^0")
         if kind == "B":
             self._backward(where, int(stage))
         elif kind in ("offload", "prefetch"):
@@ -119,12 +119,12 @@ class _Walk:
     def _forward(self, where: str, kind: str, k: int) -> None:
         self._need(where, k - 1, f"the input of stage {k}")
         if self.stored[k] is not None:
-            raise ValueError(f"simulate: {where}: a^{k} is already stored; a stage's output is held once")
+            raise ValueError(f"evaluate: {where}: a^{k} is already stored; a stage's output is held once")
         if kind == "F_none" and k == 1:
-            raise ValueError(f"simulate: {where} would drop the chain input a^0, which B^1 needs and "
+            raise ValueError(f"evaluate: {where} would drop the chain input a^0, which B^1 needs and "
                              "nothing can recompute; use F_ck or F_all")
         if kind == "F_none" and self.stored[k - 1] == "abar":
-            raise ValueError(f"simulate: {where} would drop ā^{k - 1}, the tape B^{k - 1} needs; use F_ck")
+            raise ValueError(f"evaluate: {where} would drop ā^{k - 1}, the tape B^{k - 1} needs; use F_ck")
         out = self.xb[k] if kind == "F_all" else self.x[k]
         self._compute(where, self.chain.forward_time[k - 1], out, self.chain.forward_overhead[k - 1])
         self.stored[k] = "abar" if kind == "F_all" else "a"
@@ -139,14 +139,14 @@ class _Walk:
 
     def _backward(self, where: str, k: int) -> None:
         if not self.loss_done:
-            raise ValueError(f"simulate: {where} comes before the loss (the first forward of stage {self.L})")
+            raise ValueError(f"evaluate: {where} comes before the loss (the first forward of stage {self.L})")
         if self.grad != k:
-            raise ValueError(f"simulate: {where} needs δ^{k}, but the gradient held is δ^{self.grad}")
+            raise ValueError(f"evaluate: {where} needs δ^{k}, but the gradient held is δ^{self.grad}")
         if self.stored[k] != "abar":
             have = "is not stored" if self.stored[k] is None else "is stored without its tape"
-            raise ValueError(f"simulate: {where} needs ā^{k} (run F_all^{k} first); a^{k} {have}")
+            raise ValueError(f"evaluate: {where} needs ā^{k} (run F_all^{k} first); a^{k} {have}")
         if self.on_host[k]:
-            raise ValueError(f"simulate: {where} needs ā^{k}, which is on the host; "
+            raise ValueError(f"evaluate: {where} needs ā^{k}, which is on the host; "
                              f"put ('prefetch', {k + 1}) before it")
         self._need(where, k - 1, f"the input of stage {k}")
         self._compute(where, self.chain.backward_time[k - 1], self.x[k - 1], self.chain.backward_overhead[k - 1])
@@ -159,28 +159,28 @@ class _Walk:
     def _transfer(self, where: str, kind: str, stage: int) -> None:
         k = stage - 1
         if self.stored[k] is None:
-            raise ValueError(f"simulate: {where}: the input of stage {stage} (a^{k}) is not stored")
+            raise ValueError(f"evaluate: {where}: the input of stage {stage} (a^{k}) is not stored")
         if kind == "offload":
             if self.loss_done:
-                raise ValueError(f"simulate: {where}: offloads must come before the loss "
+                raise ValueError(f"evaluate: {where}: offloads must come before the loss "
                                  f"(the first forward of stage {self.L})")
             if self.offloaded[k]:
-                raise ValueError(f"simulate: {where}: a^{k} was offloaded already; each value goes out once")
+                raise ValueError(f"evaluate: {where}: a^{k} was offloaded already; each value goes out once")
             self.on_host[k] = self.offloaded[k] = True
             self.forward.append(_Event(where, 0.0, 0.0, self._size(k)))
         else:
             if not self.loss_done:
-                raise ValueError(f"simulate: {where}: prefetches must come after the loss "
+                raise ValueError(f"evaluate: {where}: prefetches must come after the loss "
                                  f"(the first forward of stage {self.L})")
             if not self.on_host[k]:
-                raise ValueError(f"simulate: {where}: a^{k} is not on the host")
+                raise ValueError(f"evaluate: {where}: a^{k} is not on the host")
             self.on_host[k] = False
             self.backward.append(_Event(where, 0.0, 0.0, self._size(k)))
 
     def finish(self) -> None:
         if not self.done:
             state = "before the loss" if not self.loss_done else f"holding δ^{self.grad}"
-            raise ValueError(f"simulate: the ops end {state}, before B^1 computed δ^0")
+            raise ValueError(f"evaluate: the ops end {state}, before B^1 computed δ^0")
 
 
 def _timeline(events: Sequence[_Event], bandwidth: float, budget: Optional[Number]) -> Tuple[float, float, float]:
@@ -198,7 +198,7 @@ def _timeline(events: Sequence[_Event], bandwidth: float, budget: Optional[Numbe
         start, held = now, event.memory + pending if pending else event.memory
         if budget is not None:
             if event.memory > budget:
-                raise ValueError(f"simulate: {event.where} holds {event.memory} even with no transfer "
+                raise ValueError(f"evaluate: {event.where} holds {event.memory} even with no transfer "
                                  f"in flight, more than the budget {budget}")
             if held > budget:
                 # It starts when the transfers in flight have freed just enough: at exactly the budget
@@ -215,10 +215,10 @@ def _check_positive(name: str, value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
-        raise ValueError(f"simulate: {name} = {value!r}; it must be a positive finite number or None")
+        raise ValueError(f"evaluate: {name} = {value!r}; it must be a positive finite number or None")
 
 
-def simulate(chain: Chain, ops: Sequence[Op], *, budget: Optional[Number] = None,
+def evaluate(chain: Chain, ops: Sequence[Op], *, budget: Optional[Number] = None,
              offload_bandwidth: Optional[float] = None) -> Tuple[float, float]:
     """Replay ``ops`` on ``chain`` with exact sizes; return ``(makespan, peak)``.
 
@@ -242,7 +242,7 @@ def simulate(chain: Chain, ops: Sequence[Op], *, budget: Optional[Number] = None
     Complexity: ``O(len(ops) * L)``.
     """
     if not isinstance(chain, Chain):
-        raise ValueError(f"simulate: chain must be a dtr.planner.Chain, got {type(chain).__name__}")
+        raise ValueError(f"evaluate: chain must be a dtr.planner.Chain, got {type(chain).__name__}")
     _check_positive("budget", budget)
     _check_positive("offload_bandwidth", offload_bandwidth)
     walk = _Walk(chain)
@@ -251,7 +251,7 @@ def simulate(chain: Chain, ops: Sequence[Op], *, budget: Optional[Number] = None
     walk.finish()
     transfers = any(e.transfer is not None for e in walk.forward + walk.backward)
     if transfers and offload_bandwidth is None:
-        raise ValueError("simulate: the ops offload and prefetch; pass offload_bandwidth=<bytes per time unit>")
+        raise ValueError("evaluate: the ops offload and prefetch; pass offload_bandwidth=<bytes per time unit>")
     bandwidth = float(offload_bandwidth or 1.0)  # without transfers nothing waits on it
     forward_time, forward_debt, forward_peak = _timeline(walk.forward, bandwidth, budget)
     backward_time, backward_debt, backward_peak = _timeline(walk.backward[::-1], bandwidth, budget)
