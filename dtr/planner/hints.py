@@ -12,12 +12,12 @@ activations to hold and which to drop during that first forward sweep (the ops b
 Every output the sweep keeps (the next stage is not ``F_none``) is held until the backward
 pass has used it, so that the heuristic does not evict what the plan's memory accounting assumed
 resident: the checkpoints of ``F_ck``/``F_none`` stages, and the outputs of ``F_all`` stages,
-from which the plan recomputes the next stage's tape. (Measured on the bench MLP: pinning only
-the ``F_ck``/``F_none`` checkpoints let DTR evict ``F_all`` outputs, and the seeded step
-recomputed 1.13-1.22x the plan's compute at 0.7-0.5 of peak; pinning all kept outputs brought it
-to 1.00-1.01x at 0.9-0.6. Pinning whole ``F_all`` tapes as well made it worse, and some budgets
-infeasible: DTR needs room to move. The seeding runtime now *protects* checkpoints and tapes
-instead, a last resort of eviction rather than a lock, dtr/eager/seeding/applying.py.)
+from which the plan recomputes the next stage's tape. Holding only the checkpoints lets DTR
+evict ``F_all`` outputs (on the bench MLP the seeded step then recomputed 1.13-1.22x the plan's
+compute at 0.7-0.5 of peak, against 1.00-1.01x at 0.9-0.6 with every kept output held). Held
+means *protected*, a last resort of eviction, not locked (dtr/eager/seeding/applying.py):
+locking them, or whole ``F_all`` tapes as well, makes some budgets infeasible, because DTR needs
+room to move.
 """
 
 from __future__ import annotations
