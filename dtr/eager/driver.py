@@ -637,7 +637,7 @@ class Driver:
             cells = rt.complete(rec, [(s, s.value) for s in mutated], fresh)
         except BaseException:
             if state is not None:
-                _restore_program_rng(state)
+                rng.restore(state)
             raise
         if call is not None and replayable and consts:
             call.consts = self._use_constants(consts)
@@ -802,7 +802,7 @@ class Driver:
             (cell,) = rt.complete(call, (), ((nbytes, out, None),))
         except BaseException:
             if state is not None:
-                _restore_program_rng(state)
+                rng.restore(state)
             raise
         if consts:
             call.consts = self._use_constants(consts)
@@ -1156,13 +1156,3 @@ def _original_writes(facts, args, kwargs, out):
             res.append(o)
     return tuple(res)
 
-
-def _restore_program_rng(state) -> None:
-    """An op that failed for lack of memory must not have advanced the random stream."""
-    kind, where, saved = state
-    if kind == "generator":
-        where.set_state(saved)
-    elif kind == "cuda":
-        torch.cuda.set_rng_state(saved, where)
-    else:
-        torch.set_rng_state(saved)
