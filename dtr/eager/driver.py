@@ -61,7 +61,7 @@ import torch
 from dtr.eager import accumulation, host_copies, output_size, rng
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.output_size import flat_tensors
-from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
+from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
 from dtr.eager.replay import Call, fill, flat, own_dispatch, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.engine import Cell as _Cell
@@ -309,7 +309,7 @@ class Driver:
         out = func(*vals, **kw)
         facts = FACTS.get(func) or facts_for(func)
         if facts.kind is _WRITE or facts.kind is Kind.INPLACE_VIEW:
-            return _original_writes(facts, args, kwargs, out)
+            return program_returns(facts, out, args, kwargs)
         return out
 
     def _plain(self, a):
@@ -830,8 +830,7 @@ class Driver:
         rk, is_list, key = ret
         n = len(o) if is_list else 1
         if rk == WRITTEN:
-            i, name = key
-            return (args[i] if i is not None else kwargs[name]), pos + n
+            return written_argument(key, args, kwargs), pos + n
         rt = self.rt
         if is_list:
             return [_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)], pos + n
@@ -1137,22 +1136,4 @@ def _wait(out) -> None:
 def _wrapped(v, rt, cell):
     """A wrapper for an output with a cell; anything else (plain outputs, None) as it is."""
     return v if cell is None else make_wrapper(v, rt, cell)
-
-
-def _original_writes(facts, args, kwargs, out):
-    returns = facts.returns
-    if not returns:  # ``-> ()``: an op writing a list of ``out=`` tensors
-        return out
-    if len(returns) == 1:
-        rk, _, key = returns[0]
-        if rk == WRITTEN:
-            return args[key[0]] if key[0] is not None else kwargs[key[1]]
-        return out
-    res = []
-    for (rk, _, key), o in zip(returns, out):
-        if rk == WRITTEN:
-            res.append(args[key[0]] if key[0] is not None else kwargs[key[1]])
-        else:
-            res.append(o)
-    return tuple(res)
 
