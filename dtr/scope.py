@@ -269,8 +269,8 @@ class Engine:
             self._host_peak = max(self._host_peak, host.peak)
         self._peak = max(self._peak, driver.rt.peak)
         self._largest_output = driver.largest_output
-        self._constants_counted = max(self._constants_counted, sum(driver.counted.values()))
-        self._constant_bytes = sum(driver.const_bytes.values())
+        self._constants_counted = max(self._constants_counted, driver.constants.counted_bytes)
+        self._constant_bytes = driver.constants.read_bytes
 
     # ---------------------------------------------------------------- stats
 
@@ -290,7 +290,7 @@ class Engine:
                 resident = rt.memory
                 if rt.host is not None:
                     host_peak = max(host_peak, rt.host.peak)
-                constant = sum(driver.const_bytes.values())
+                constant = driver.constants.read_bytes
                 gradients = rt.held_bytes
         return Stats(
             resident_bytes=resident,

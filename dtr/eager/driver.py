@@ -28,25 +28,8 @@ the budget, like constants. A part may be a managed input itself
 (``torch.sparse_coo_tensor(indices, values)`` keeps ``values``); that storage is then handed
 to the program as by ``dtr.materialize`` (every input, where the parts cannot be listed).
 Such tensors read by recorded ops are constants; replays then run with the subclass's
-dispatch on (replay.py).
-
-Note [Aliases]
-~~~~~~~~~~~~~~
-Recorded ops read memory the engine does not own (constants), and the program can hold
-managed memory as a plain tensor (storages handed out, EXTERNAL). A write to either must be
-seen before it happens: a recorded op that read the old data cannot be replayed afterwards
-(``Runtime.flush``), and the outputs of ops that read a handed-out storage are made permanent
-(``Runtime.before_write``). The mode sees every in-place op on the block's thread, but the
-written tensor may be an alias with an identity of its own (``x.data``, ``x.detach()``, a
-sparse tensor's ``_values()``), unknown to ``_key``: writes are matched by memory address
-too. Before that, a write through ``x.data`` of a constant, or through ``.data``,
-``.detach()`` or a sparse part of a handed-out storage, made a later replay read the new data:
-a silent wrong value (tests in test_tensors.py); so did a write through the wrapper of a
-handed-out storage that a record read as a constant (``z = dtr.materialize(y) * 3``, then
-``y.add_``). Not matched: a write no dispatch sees (another thread, numpy), caught at replay by
-the version check only where it shares the version counter; memory a constant reaches after
-``set_`` or ``x.data = y``; the inner tensors of a subclass without ``__tensor_flatten__``;
-an overlapping view of the same memory made elsewhere (two ``from_numpy`` tensors).
+dispatch on (replay.py). What a write to a constant or a handed-out storage must do first is
+the constant table's (constants.py, Note [Aliases]).
 """
 
 from __future__ import annotations
@@ -59,10 +42,11 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from dtr.eager import accumulation, host_copies, output_size, rng
+from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
-from dtr.eager.replay import Call, fill, flat, own_dispatch, replay
+from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.engine import Cell as _Cell
 from dtr.engine import OpRecord, Runtime, State, Storage
@@ -85,25 +69,6 @@ _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
 _graph_task_id = torch._C._current_graph_task_id
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-# The parts of a sparse tensor, per layout (the accessors that do not coalesce).
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
-
-
-def _key(t: torch.Tensor) -> int:
-    """Identity of the tensor a view was taken from (itself if it is not a view).
-
-    Cheaper than asking for its storage (measured: the storage lookup was a tenth of the
-    per-op cost). A write through an alias with an identity of its own (``p.data``) is not
-    matched here but by memory address (Note [Aliases]).
-    """
-    b = t._base
-    return id(t if b is None else b)
 
 
 class Driver:
@@ -131,10 +96,9 @@ class Driver:
         # (``constants_before``), more as new ones are first read. The runtime's budget is what
         # is left of the limit.
         self.limit = budget
-        self.count_constants = total and outside is None
-        self.constants_before = constants_before if self.count_constants else 0
-        self.outside = self.constants_before if self.count_constants else (outside or 0)
-        self.counted: Dict[int, int] = {}  # storage address -> bytes of the constants counted
+        counting = total and outside is None
+        self.constants_before = constants_before if counting else 0
+        self.outside = self.constants_before if counting else (outside or 0)
         managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
@@ -143,13 +107,13 @@ class Driver:
         self.estimate = estimate
         # The largest new storage an op of this engine made (Note [Room before an op]).
         self.largest_output = largest_output
-        self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
-        # Memory address -> _keys of the constants over it: a write through an alias with an
-        # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
-        self.const_memory: Dict[int, set] = {}
-        self.const_addresses: Dict[int, tuple] = {}  # _key -> its addresses in const_memory
-        self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
-        self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
+        self.constants = Constants(self.rt, self._charge_constants)
+        # Bound once, as the hot path calls them (one lookup per op); ``forget`` is the
+        # runtime's ``Executor.forget``.
+        self._use_constants = self.constants.use
+        self.forget = self.constants.forget
+        # ``Constants.count`` where constants read count against the limit, else None.
+        self.count_constants = self.constants.count if counting else None
         self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
         self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
         self.suspended_thread: Optional[int] = None  # set during optimizer.step()
@@ -174,31 +138,18 @@ class Driver:
         self.rt.set_budget(None if limit is None else limit - outside, opname)
         self.limit = limit
 
-    def _count_new_constants(self, consts: List[torch.Tensor], opname: str) -> None:
-        """With ``count_constants``: charge constants read for the first time against the
-        limit (``__init__``), before the op runs; raises ``OutOfBudgetError`` (the op does not
-        run) if the engine cannot evict down to what is left."""
-        counted = self.counted
-        new = []
-        for t in consts:  # by storage: aliases (w.detach(), w.data) are one constant
-            if t.layout is _strided:
-                st = t.untyped_storage()
-                p = st.data_ptr()
-                if p not in counted:
-                    counted[p] = st.nbytes()
-                    new.append(p)
-        if not new:
-            return
+    def _charge_constants(self, nbytes: int, opname: str) -> None:
+        """With ``count_constants``: ``nbytes`` of constants have been read (``Constants.count``);
+        raises ``OutOfBudgetError`` (the op does not run) if the engine cannot evict down to what
+        they leave of the limit (``__init__``)."""
         before = self.outside
-        outside = max(self.constants_before, sum(counted.values()))
+        outside = max(self.constants_before, nbytes)
         if outside > before and self.limit is not None:
             self.outside = outside
             try:
                 self.set_limit(self.limit, opname)
             except BaseException:  # the op does not run: as if they had not been read
                 self.outside = self.rt.outside = before
-                for p in new:
-                    del counted[p]
                 raise
 
     # ------------------------------------------------------------------ dispatch
@@ -225,7 +176,7 @@ class Driver:
                     if kind is Kind.INPLACE_VIEW and type(base) is not DTRTensor:
                         # Recorded ops hold this very tensor object, whose shape is about to
                         # change: as for a write, they must not be replayed after it.
-                        self._before_constant_write([base])
+                        self.constants.before_constants_written([base])
                     return self.passthrough(func, args, kwargs)
                 if kind is _DETACH:
                     return self._alias(base)
@@ -401,17 +352,6 @@ class Driver:
             else:
                 const_written.append(self._plain(t))
 
-    def _before_writes(self, mutated: list, external_written: list, const_written: list) -> None:
-        """Protect what the writes ``_sort_written`` found would destroy (Note [Aliases])."""
-        if const_written:
-            self._before_constant_write(const_written)
-        if external_written and self._constants_at(
-            [s.root.value.untyped_storage().data_ptr() for s in external_written]
-        ):
-            self.rt.flush()  # the program read that memory as a constant too (Note [Aliases])
-        if external_written or mutated:
-            self.rt.before_write(external_written + mutated)
-
     def _run_collective(self, facts, func, args, kwargs):
         """Run a collective (Note [Collectives] in ops.py) once, on plain values.
 
@@ -452,7 +392,7 @@ class Driver:
         for pos, name in facts.written:
             w = args[pos] if pos is not None else kwargs.get(name)
             self._sort_written(flat_tensors(w), mutated, external_written, const_written)
-        self._before_writes(mutated, external_written, const_written)
+        self.constants.before_writes(mutated, external_written, const_written)
         targs = scan(list(args))
         tkw = {k: scan(v) for k, v in kwargs.items()}
         rt.acquire(cells)
@@ -499,7 +439,7 @@ class Driver:
                     )
                 if t is not None:
                     const_written.append(t)
-        self._before_writes(mutated, external_written, const_written)
+        self.constants.before_writes(mutated, external_written, const_written)
 
         # -- scan arguments ------------------------------------------------------------------
         # A view op's record keeps no dependency edges (its outputs live and die with its
@@ -557,7 +497,7 @@ class Driver:
             else:
                 args_v, kw_v = targs, (tkw or {})
             if self.count_constants and consts:
-                self._count_new_constants(consts, facts.name)
+                self.count_constants(consts, facts.name)
             sized = None
             if facts.sized and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
                 sized = self._make_room(facts, func, args_v, kw_v)
@@ -591,7 +531,7 @@ class Driver:
             for v in (o if is_list else (o,)):
                 if isinstance(v, _Tensor) and rk != WRITTEN and pos not in plain:
                     if type(v) is not _Tensor or v.layout is not _strided:
-                        self._hand_out_parts(v, inputs)  # returned plain (module docstring)
+                        self.constants.hand_out_parts(v, inputs)  # returned plain (module docstring)
                     elif rk == VIEW:
                         fresh.append((0, v, base_cell))
                         fresh_pos.append(pos)
@@ -695,7 +635,7 @@ class Driver:
             rt.arrive(inputs)
         try:
             if self.count_constants and consts:
-                self._count_new_constants(consts, facts.name)
+                self.count_constants(consts, facts.name)
             budget = rt.budget
             sized = None
             if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
@@ -779,7 +719,7 @@ class Driver:
                 c = _returned_input(out, inputs, consts)
                 nbytes = out.untyped_storage().nbytes()
             else:  # returned plain (module docstring); inputs still locked, so resident
-                self._hand_out_parts(out, inputs)
+                self.constants.hand_out_parts(out, inputs)
                 nbytes, c = 0, None
             if self.estimate:
                 seconds = estimate_seconds(func, args_v, kw_v, (out,))
@@ -848,57 +788,6 @@ class Driver:
         else:
             call.clone_args = facts.hidden_writes
 
-    # ------------------------------------------------------------------ constants
-
-    def _use_constants(self, consts: List[torch.Tensor]) -> tuple:
-        uses = self.const_uses
-        info: list = []
-        for t in consts:
-            b = t._base
-            key = id(t if b is None else b)
-            n = uses.get(key)
-            if n is None:
-                uses[key] = 1
-                addresses = self.const_addresses[key] = _addresses(t) or ()
-                for p in addresses:
-                    self.const_memory.setdefault(p, set()).add(key)
-                if key not in self.const_bytes and t.layout is _strided:
-                    self.const_bytes[key] = t.untyped_storage().nbytes()
-            else:
-                uses[key] = n + 1
-            info += (key, t, t._version)
-        return tuple(info)
-
-    def _before_constant_write(self, tensors: List[torch.Tensor]) -> None:
-        rt = self.rt
-        uses = self.const_uses
-        for t in tensors:
-            addresses = _addresses(t) or ()
-            if uses.get(_key(t)) or self._constants_at(addresses):
-                # A recorded op read this tensor; once it changes, that op cannot be replayed.
-                rt.flush()
-                return
-            external = self.external
-            handed = [external[p] for p in addresses if p in external and external[p].state is _EXTERNAL]
-            if handed:
-                rt.before_write(handed)
-
-    def _constants_at(self, addresses) -> bool:
-        """Whether a live record reads a constant over memory at one of ``addresses``."""
-        uses = self.const_uses
-        return any(uses.get(k) for p in addresses for k in self.const_memory.get(p, ()))
-
-    def _hand_out_parts(self, out: torch.Tensor, inputs) -> None:
-        """Hand to the program each managed input whose storage a part of ``out`` (a sparse
-        tensor or a tensor subclass, returned plain) shares, or every input if its parts are
-        unknown: the engine must not evict or swap memory the program still reads."""
-        parts = _addresses(out)
-        for c in inputs:
-            p = c.value.untyped_storage().data_ptr()
-            if (parts is None or p in parts) and c.storage.state is not _EXTERNAL:
-                self.rt.extract(c)
-                self.external[p] = c.storage
-
     # ------------------------------------------------------------------ executor
 
     def replay(self, rec):
@@ -933,26 +822,6 @@ class Driver:
         with _no_python_dispatch():
             host_copies.arrive(pending)
 
-    def forget(self, rec) -> None:
-        if type(rec) is not Call:
-            return
-        uses = self.const_uses
-        for key in rec.consts[::3]:
-            n = uses[key] - 1
-            if n:
-                uses[key] = n
-            else:
-                del uses[key]
-                # Its id may be reused by another constant: no stale key may stay at its memory.
-                for p in self.const_addresses.pop(key, ()):
-                    keys = self.const_memory[p]
-                    keys.discard(key)
-                    if not keys:
-                        del self.const_memory[p]
-        # Whatever still holds the record must not keep its constants and RNG state alive.
-        rec.args = rec.consts = ()
-        rec.kwargs = rec.rng = None
-
     # ------------------------------------------------------------------ handing data out
 
     def to_plain(self, w: DTRTensor, *, for_grad: bool = False) -> torch.Tensor:
@@ -974,9 +843,7 @@ class Driver:
                     return cell.value.clone()
                 finally:
                     rt.unlock([cell])
-            value = rt.extract(cell)
-            self.external[value.untyped_storage().data_ptr()] = s
-            return value
+            return self.constants.hand_out(cell)
 
     def _hook(self, leaf: torch.Tensor) -> None:
         """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
@@ -1022,23 +889,6 @@ class Driver:
         finally:
             self.suspended_thread = before
 
-    def before_constants_freed(self, tensors: List[torch.Tensor]) -> None:
-        """Call before the memory of these constants is freed by their owner (FSDP2 resharding
-        its gathered parameters): no recorded op that reads it may run again
-        (``Runtime.retire``). Raises ``OutOfBudgetError`` (changing nothing) if what must be
-        kept does not fit."""
-        memory = self.const_memory
-        keys = {k for t in tensors for p in _addresses(t) or () for k in memory.get(p, ())}
-        if not keys:
-            return
-        rt = self.rt
-        with rt.lock, _no_python_dispatch():
-            rt.drain()
-            reading = [
-                s for s in rt.storages() if type(s.parent) is Call and not keys.isdisjoint(s.parent.consts[::3])
-            ]
-            rt.retire(reading)
-
     def hold_gradient(self, key: torch.Tensor, grads: List[Optional[torch.Tensor]]) -> None:
         """Charge ``grads`` (plain tensors, or DTensors counted by their local shard) under
         ``key``'s identity in place of what it held (Note [Held gradients] in runtime.py): a
@@ -1067,38 +917,9 @@ class Driver:
                     h.remove()
                 self.hooks.clear()
                 self.node = None
-                self.const_uses.clear()
-                self.const_memory.clear()
-                self.const_addresses.clear()
-                self.external.clear()
+                self.constants.clear()
                 self.suspended_thread = None
             return rt.counters.rematerializations - before
-
-
-def _addresses(t: torch.Tensor) -> Optional[tuple]:
-    """Addresses of the memory ``t``'s data lives in: its storage's, its parts' for a sparse
-    layout, its inner tensors' for a subclass that lists them (``__tensor_flatten__``); none
-    for mkldnn (which copies its input); None where they cannot be known."""
-    if own_dispatch(t):
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return None
-        found: tuple = ()
-        for name in flatten()[0]:
-            inner = _addresses(getattr(t, name))
-            if inner is None:
-                return None
-            found += inner
-        return found
-    try:
-        if t.layout is _strided:
-            storages = (t.untyped_storage(),)
-        else:
-            storages = tuple(getattr(t, name)().untyped_storage() for name in _SPARSE_PARTS.get(t.layout, ()))
-        # Empty storages all sit at address 0: they hold nothing a write could change.
-        return tuple(st.data_ptr() for st in storages if st.nbytes())
-    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (vmap)
-        return None
 
 
 def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
