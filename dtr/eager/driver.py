@@ -41,9 +41,10 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from dtr.eager import accumulation, host_copies, output_size, rng
+from dtr.eager import accumulation, output_size, rng
 from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.host_copies import HostCopies
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
 from dtr.eager.replay import Call, fill, flat, replay
@@ -71,9 +72,9 @@ _graph_task_id = torch._C._current_graph_task_id
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
-class Driver:
+class Driver(HostCopies):
     """Executes aten ops for one runtime and replays its records (it is the runtime's
-    ``Executor``)."""
+    ``Executor``: ``replay`` here, ``forget`` the constant table's, swapping ``HostCopies``')."""
 
     views_alias_data = True  # torch views share their storage's memory
 
@@ -792,35 +793,6 @@ class Driver:
 
     def replay(self, rec):
         return replay(rec, self.estimate)
-
-    @staticmethod
-    def swap_out(value):
-        with _no_python_dispatch():
-            return host_copies.swap_out(value)
-
-    @staticmethod
-    def swap_done(handle) -> bool:
-        return handle.done()
-
-    @staticmethod
-    def swap_wait(handle) -> None:
-        handle.event.synchronize()
-        handle.done()
-
-    @staticmethod
-    def swap_in(handle):
-        with _no_python_dispatch():
-            return host_copies.swap_in(handle)
-
-    @staticmethod
-    def prefetch(handle):
-        with _no_python_dispatch():
-            return host_copies.prefetch(handle)
-
-    @staticmethod
-    def arrive(pending) -> None:
-        with _no_python_dispatch():
-            host_copies.arrive(pending)
 
     # ------------------------------------------------------------------ handing data out
 
