@@ -18,7 +18,7 @@ One op (``Driver.dispatch``, the hot path):
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
 is a constant. Collectives take a path of their own (``_run_collective``, Note [Collectives] in
 ops.py), and a parameter's ``.grad`` made in the block is handed out plain but stays charged
-(``_on_grad_accumulated``, Note [Held gradients] in runtime.py).
+(gradients.py, Note [Held gradients] in runtime.py).
 
 Outputs with a sparse layout (COO, CSR, ...; ``nn.Embedding(sparse=True)``'s gradients), and
 outputs of a tensor subclass with a ``__torch_dispatch__`` of its own, are returned plain too:
@@ -34,16 +34,15 @@ the constant table's (constants.py, Note [Aliases]).
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from time import perf_counter
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from dtr.eager import accumulation, output_size, rng
+from dtr.eager import output_size, rng
 from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.gradients import Gradients
 from dtr.eager.host_copies import HostCopies
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
@@ -58,7 +57,6 @@ __all__ = ["Driver"]
 
 _Tensor = torch.Tensor
 _EXTERNAL = State.EXTERNAL
-_RESIDENT = State.RESIDENT
 _VIEW = Kind.VIEW
 _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
@@ -67,12 +65,10 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
 _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
-_ADD_ = torch.ops.aten.add_.Tensor
-_graph_task_id = torch._C._current_graph_task_id
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
-class Driver(HostCopies):
+class Driver(Gradients, HostCopies):
     """Executes aten ops for one runtime and replays its records (it is the runtime's
     ``Executor``: ``replay`` here, ``forget`` the constant table's, swapping ``HostCopies``')."""
 
@@ -96,6 +92,7 @@ class Driver(HostCopies):
         # (``count_constants``): as many as the engine's previous block read
         # (``constants_before``), more as new ones are first read. The runtime's budget is what
         # is left of the limit.
+        Gradients.__init__(self)
         self.limit = budget
         counting = total and outside is None
         self.constants_before = constants_before if counting else 0
@@ -115,14 +112,7 @@ class Driver(HostCopies):
         self.forget = self.constants.forget
         # ``Constants.count`` where constants read count against the limit, else None.
         self.count_constants = self.constants.count if counting else None
-        self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
-        self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
-        self.suspended_thread: Optional[int] = None  # set during optimizer.step()
         self.ops = 0  # ops intercepted
-        # The autograd node running (backward), and the first storage id made while it runs:
-        # what was made before it is no temporary of its formula (``_in_place``).
-        self.node = None
-        self.node_from = 0
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
     def set_limit(self, limit: Optional[int], opname: str = "set budget") -> None:
@@ -195,64 +185,6 @@ class Driver(HostCopies):
                     return self._sum(facts, args)
                 return self._run_simple(facts, func, args)
             return self._run(facts, func, args, kwargs)
-
-    def _summing(self, args) -> bool:
-        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into ``old``: a
-        backward pass, grad mode off, ``old`` a wrapper of this engine with ``new``'s shape,
-        dtype and device (Note [Accumulation in place] in accumulation.py)."""
-        old, new = args
-        if (
-            type(old) is not DTRTensor
-            or not isinstance(new, _Tensor)
-            or new is old
-            or torch.is_grad_enabled()
-            or _graph_task_id() == -1
-        ):
-            return False
-        rt = self.rt
-        ref = old._dtr
-        c = ref.cell
-        if c.storage.runtime is not rt:
-            return False
-        if c.storage.forward is not None:
-            ref.cell = rt.resolve(c)
-        return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
-
-    def _in_place(self, old: DTRTensor, args) -> bool:
-        """Whether nothing but autograd's buffer can see a write to ``old``."""
-        s = old._dtr.cell.storage
-        if self.node is None or s.sid >= self.node_from:
-            # Made while this node runs: a temporary of its backward formula, which C++ may read
-            # again, not a gradient autograd's buffer holds (counts cannot tell them apart).
-            return False
-        if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
-            # The last: a write would make what reads it permanent first (before_write).
-            return False
-        # The whole of its storage, densely (a weight's gradient often arrives transposed).
-        if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
-            return False
-        return accumulation.exclusive(args)
-
-    def _sum(self, facts, args) -> Any:
-        """``old + new`` for autograd: as ``old.add_(new)`` (a new wrapper over the new version
-        of ``old``'s storage) where nothing else can see the write, out of place otherwise;
-        made permanent when it is a parameter's gradient or extends a chain of sums."""
-        old = args[0]
-        rt = self.rt
-        chained = accumulation.summed(old._dtr.cell.storage)
-        if self._in_place(old, args):
-            self._run(FACTS.get(_ADD_) or facts_for(_ADD_), _ADD_, args, {})
-            ref = old._dtr
-            cell = ref.cell = rt.resolve(ref.cell)
-            out = make_wrapper(old, rt, cell)
-        else:
-            out = self._run_simple(facts, _ADD, args)
-            if type(out) is not DTRTensor:
-                return out
-            cell = out._dtr.cell
-        if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
-            rt.make_permanent([cell], yielding=True)
-        return out
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
@@ -817,65 +749,7 @@ class Driver(HostCopies):
                     rt.unlock([cell])
             return self.constants.hand_out(cell)
 
-    def _hook(self, leaf: torch.Tensor) -> None:
-        """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
-        engine-owned tensors (feasibility Q1). Views of leaves (``w.t()`` built in backward is a
-        leaf view that requires grad) never accumulate gradients and get no hook."""
-        # One bound method for every leaf: a closure per leaf was two more objects per
-        # parameter and block for the cyclic collector (docs/runtime.md).
-        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(self._plain_grad)
-
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        g = param.grad
-        rt = self.rt
-        # A gradient with a graph (backward(create_graph=True)) stays the engine's: a plain copy
-        # would drop the graph a gradient penalty differentiates through.
-        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed and g.grad_fn is None:
-            plain = param.grad = self.to_plain(g, for_grad=True)
-            with rt.lock:  # Note [Held gradients] in runtime.py
-                rt.hold(id(param), plain.untyped_storage().nbytes())
-
     # ------------------------------------------------------------------ lifecycle
-
-    def begin_optimizer_step(self) -> None:
-        """Parameters are about to change: recorded ops that read them cannot be replayed.
-        Make live tensors resident and drop all lineage; run the step untracked."""
-        rt = self.rt
-        with rt.lock, _no_python_dispatch():
-            rt.drain()
-            rt.flush()
-        self.suspended_thread = threading.get_ident()
-
-    def end_optimizer_step(self) -> None:
-        self.suspended_thread = None
-
-    @contextmanager
-    def untracked(self) -> Iterator[None]:
-        """Run the ops inside on plain values, unrecorded, on this thread: a library's own
-        management of parameters and gradients (FSDP2's gathers and reductions) is not
-        activations, and its buffers must stay plain tensors."""
-        before = self.suspended_thread
-        self.suspended_thread = threading.get_ident()
-        try:
-            yield
-        finally:
-            self.suspended_thread = before
-
-    def hold_gradient(self, key: torch.Tensor, grads: List[Optional[torch.Tensor]]) -> None:
-        """Charge ``grads`` (plain tensors, or DTensors counted by their local shard) under
-        ``key``'s identity in place of what it held (Note [Held gradients] in runtime.py): a
-        library that moves a gradient elsewhere (FSDP2 reducing it to its shard) says so here."""
-        nbytes = 0
-        for g in grads:
-            if g is not None:
-                local = g.to_local() if hasattr(g, "to_local") else g
-                # Its own bytes: FSDP2's sharded gradients are views into one flat buffer per
-                # parameter group, which would be charged once per parameter by storage.
-                nbytes += local.numel() * local.element_size()
-        rt = self.rt
-        if nbytes or id(key) in rt.held:
-            with rt.lock:
-                rt.hold(id(key), nbytes)
 
     def close(self) -> int:
         """End of block. Returns how many ops had to be replayed to define live tensors."""
@@ -885,12 +759,8 @@ class Driver(HostCopies):
             try:
                 rt.close()
             finally:
-                for h in self.hooks.values():
-                    h.remove()
-                self.hooks.clear()
-                self.node = None
+                self._close_gradients()
                 self.constants.clear()
-                self.suspended_thread = None
             return rt.counters.rematerializations - before
 
 
