@@ -16,7 +16,7 @@ One op (``Driver.dispatch``, the hot path):
 6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects.
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
-is a constant. Collectives take a path of their own (``_run_collective``, Note [Collectives] in
+is a constant. Collectives take a path of their own (collectives.py, Note [Collectives] in
 ops.py), and a parameter's ``.grad`` made in the block is handed out plain but stays charged
 (gradients.py, Note [Held gradients] in runtime.py).
 
@@ -41,15 +41,14 @@ import torch
 
 from dtr.eager import output_size, rng
 from dtr.eager.constants import Constants
+from dtr.eager.collectives import run_collective
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.gradients import Gradients
 from dtr.eager.host_copies import HostCopies
-from dtr.eager.output_size import flat_tensors
 from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.engine import Cell as _Cell
-from dtr.engine import OpRecord, Runtime, State, Storage
+from dtr.engine import OpRecord, Runtime, State
 from dtr.engine.collector import untrack
 from dtr.errors import DTRError, OutOfBudgetError
 
@@ -179,7 +178,7 @@ class Driver(Gradients, HostCopies):
                 self._unsupported(facts, args, kwargs)
                 return self.passthrough(func, args, kwargs)
             elif kind is _COLLECTIVE:
-                return self._run_collective(facts, func, args, kwargs)
+                return run_collective(self, facts, args, kwargs)
             if facts.simple and not kwargs:
                 if func is _ADD and len(args) == 2 and self._summing(args):
                     return self._sum(facts, args)
@@ -284,73 +283,6 @@ class Driver(Gradients, HostCopies):
                     mutated.append(s)
             else:
                 const_written.append(self._plain(t))
-
-    def _run_collective(self, facts, func, args, kwargs):
-        """Run a collective (Note [Collectives] in ops.py) once, on plain values.
-
-        Its record is not replayable, so what it writes or makes cannot be evicted (a swap can
-        still move it). A collective that writes or makes tensors of this engine is waited for
-        before it returns: the engine must not swap out or hand over memory that another rank's
-        data is still landing in. One that touches only constants (DDP's gradient buckets) keeps
-        running asynchronously, as without dtr.
-        """
-        rt = self.rt
-        cells: List[Any] = []
-        originals: Dict[int, Any] = {}  # id(value passed to the kernel) -> the program's tensor
-
-        def scan(a):
-            if type(a) in (list, tuple):
-                return type(a)(scan(b) for b in a)
-            if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                c = a._dtr.cell = rt.resolve(a._dtr.cell)
-                cells.append(c)
-                return c
-            if isinstance(a, _Tensor):
-                a = self._plain(a)
-            return a
-
-        def fill_in(a, program):
-            if type(a) in (list, tuple):
-                return type(a)(fill_in(b, p) for b, p in zip(a, program))
-            if type(a) is _Cell or type(a) is Storage:
-                originals[id(a.value)] = program
-                return a.value
-            if isinstance(a, _Tensor):
-                originals[id(a)] = program
-            return a
-
-        mutated: List[Any] = []
-        external_written: List[Any] = []
-        const_written: List[torch.Tensor] = []
-        for pos, name in facts.written:
-            w = args[pos] if pos is not None else kwargs.get(name)
-            self._sort_written(flat_tensors(w), mutated, external_written, const_written)
-        self.constants.before_writes(mutated, external_written, const_written)
-        targs = scan(list(args))
-        tkw = {k: scan(v) for k, v in kwargs.items()}
-        rt.acquire(cells)
-        try:
-            vals = fill_in(targs, args)
-            kw = {k: fill_in(v, kwargs[k]) for k, v in tkw.items()}
-            t0 = perf_counter()
-            out = facts.kernel(*vals, **kw)
-            fresh = [
-                (v.untyped_storage().nbytes(), v, None)
-                for v in flat_tensors(out)
-                if id(v) not in originals and type(v) is _Tensor and v.layout is _strided
-            ]
-            if mutated or fresh:
-                _wait(out)
-            seconds = perf_counter() - t0
-        except BaseException:
-            rt.unlock(cells)
-            raise
-        self.op_seconds += seconds
-        rec = OpRecord(facts.name, cells, None, seconds, False)
-        made = rt.complete(rec, [(s, s.value) for s in mutated], fresh)[len(mutated):]
-        program = {id(v): make_wrapper(v, rt, c) for (_, v, _), c in zip(fresh, made)}
-        program.update(originals)
-        return _rebuilt(out, program)
 
     def _run(self, facts, func, args, kwargs):
         rt = self.rt
@@ -776,24 +708,6 @@ def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
                 "please report the op"
             )
     return None
-
-
-def _rebuilt(a, program: Dict[int, Any]):
-    """``a`` (a collective's result) with each tensor replaced by the program's object for it."""
-    if type(a) in (list, tuple):
-        return type(a)(_rebuilt(b, program) for b in a)
-    return program.get(id(a), a) if isinstance(a, _Tensor) else a
-
-
-def _wait(out) -> None:
-    """Wait until a collective's data has landed: its ``Work`` (``c10d`` ops) or each of its
-    tensors (functional collectives)."""
-    works = [w for w in (out if type(out) in (list, tuple) else (out,)) if hasattr(w, "wait")]
-    for w in works:
-        w.wait()
-    if not works:
-        for t in flat_tensors(out):
-            torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _wrapped(v, rt, cell):
