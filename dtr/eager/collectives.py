@@ -52,13 +52,7 @@ def run_collective(driver, facts, args, kwargs):
             originals[id(a)] = program
         return a
 
-    mutated: List[Any] = []
-    external_written: List[Any] = []
-    const_written: List[torch.Tensor] = []
-    for pos, name in facts.written:
-        w = args[pos] if pos is not None else kwargs.get(name)
-        driver._sort_written(flat_tensors(w), mutated, external_written, const_written)
-    driver.constants.before_writes(mutated, external_written, const_written)
+    mutated = driver._writes(facts, args, kwargs)[0]
     targs = scan(list(args))
     tkw = {k: scan(v) for k, v in kwargs.items()}
     rt.acquire(cells)

@@ -3,21 +3,29 @@
 One op (``Driver.dispatch``, the hot path):
 
 1. look up the op's cached facts (ops.py);
-2. scan the arguments: wrappers of this engine become input cells (holes in a template),
-   plain tensors are constants (never wrapped, never evicted), wrappers of other engines are
-   read as plain values;
-3. before an in-place op, protect what its writes would destroy: a written constant that a
-   recorded op reads forces a flush; a written storage without lineage has its dependents
-   made permanent (``Runtime.before_write``);
-4. ``runtime.acquire`` the inputs (rematerializing as needed), make room for the outputs when
-   the budget is close (Note [Room before an op]), run the kernel and time it;
-5. ``runtime.complete`` the record (new storages, views, new versions), which evicts down to
-   the budget;
-6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects.
+2. scan the arguments (``Driver._scan``, the one scan of every path): wrappers of this engine
+   become input cells (holes in a template), plain tensors are constants (never wrapped, never
+   evicted; constants.py) and parameters among them get their ``.grad`` hook (gradients.py),
+   wrappers of other engines are read as plain values;
+3. before an in-place op, protect what its writes would destroy (``Driver._writes``, Note
+   [Aliases] in constants.py): a written constant that a recorded op reads forces a flush; a
+   written storage without lineage has its dependents made permanent (``Runtime.before_write``);
+4. ``runtime.acquire`` the inputs (rematerializing as needed; a simple op whose inputs the scan
+   found all defined just locks them), make room for the outputs when the budget is close (Note
+   [Room before an op]), run the kernel and time it;
+5. ``runtime.complete`` the record (new storages, views, new versions; recording.py builds the
+   general path's), which evicts down to the budget;
+6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects
+   (``ops.program_returns``).
+
+Most ops go through ``Driver._run``; three kinds have paths of their own: a view of its only
+tensor (``_run_view``), a collective (collectives.py, Note [Collectives] in ops.py) and
+autograd summing gradients (``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
+register their one output inline. The driver is the runtime's ``Executor``: ``replay`` here, ``forget``
+the constant table's, the swapping half ``HostCopies`` (host_copies.py).
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
-is a constant. Collectives take a path of their own (collectives.py, Note [Collectives] in
-ops.py), and a parameter's ``.grad`` made in the block is handed out plain but stays charged
+is a constant. A parameter's ``.grad`` made in the block is handed out plain but stays charged
 (gradients.py, Note [Held gradients] in runtime.py).
 
 Outputs with a sparse layout (COO, CSR, ...; ``nn.Embedding(sparse=True)``'s gradients), and
@@ -35,17 +43,20 @@ the constant table's (constants.py, Note [Aliases]).
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any, Dict, List, Optional
+from types import MappingProxyType
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
 from dtr.eager import output_size, rng
-from dtr.eager.constants import Constants
 from dtr.eager.collectives import run_collective
+from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.gradients import Gradients
 from dtr.eager.host_copies import HostCopies
-from dtr.eager.ops import FACTS, VIEW, WRITTEN, Kind, facts_for, program_returns, written_argument
+from dtr.eager.ops import FACTS, WRITTEN, Kind, facts_for, program_returns, written_argument
+from dtr.eager.output_size import flat_tensors
+from dtr.eager.recording import record, returned_input, sort_outputs
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.engine import OpRecord, Runtime, State
@@ -62,6 +73,8 @@ _DETACH = Kind.DETACH
 _COLLECTIVE = Kind.COLLECTIVE
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
+_NO_INPUTS = -1  # ``_scan``'s ``only``: no argument is an input
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})  # read only: no dict made per op
 _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -69,7 +82,7 @@ _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 class Driver(Gradients, HostCopies):
     """Executes aten ops for one runtime and replays its records (it is the runtime's
-    ``Executor``: ``replay`` here, ``forget`` the constant table's, swapping ``HostCopies``')."""
+    ``Executor``: module docstring)."""
 
     views_alias_data = True  # torch views share their storage's memory
 
@@ -179,32 +192,32 @@ class Driver(Gradients, HostCopies):
                 return self.passthrough(func, args, kwargs)
             elif kind is _COLLECTIVE:
                 return run_collective(self, facts, args, kwargs)
-            if facts.simple and not kwargs:
-                if func is _ADD and len(args) == 2 and self._summing(args):
-                    return self._sum(facts, args)
-                return self._run_simple(facts, func, args)
+            elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
+                return self._sum(facts, args)
             return self._run(facts, func, args, kwargs)
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
-        vals = [self._plain(a) for a in args]
-        kw = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else {}
-        out = func(*vals, **kw)
+        vals = list(args)
+        consts: List[torch.Tensor] = []
+        self._scan(enumerate(args), vals, vals, None, None, consts, _NO_INPUTS)
+        if kwargs:
+            kw = dict(kwargs)
+            self._scan(kwargs.items(), kw, kw, None, None, consts, _NO_INPUTS)
+            out = func(*vals, **kw)
+        else:
+            out = func(*vals)
         facts = FACTS.get(func) or facts_for(func)
         if facts.kind is _WRITE or facts.kind is Kind.INPLACE_VIEW:
             return program_returns(facts, out, args, kwargs)
         return out
 
     def _plain(self, a):
-        if isinstance(a, _Tensor):
-            if type(a) is DTRTensor:
-                return self._value_of(a)
-            if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
-                self._hook(a)
-            return a
-        if type(a) in (list, tuple):
-            return type(a)(self._plain(b) for b in a)
-        return a
+        """``a`` (an argument: a tensor, a list of them, anything else) as plain values, for a
+        use the engine does not record (``_scan`` with no inputs)."""
+        box = [a]
+        self._scan(((0, a),), box, box, None, None, [], _NO_INPUTS)
+        return box[0]
 
     def _value_of(self, w: DTRTensor) -> torch.Tensor:
         """The current data of a wrapper, as a plain tensor the caller will only read."""
@@ -267,33 +280,18 @@ class Driver(Gradients, HostCopies):
                     "get a plain tensor) inside the dtr.budget block"
                 )
 
-    def _sort_written(self, tensors, mutated: list, external_written: list, const_written: list) -> None:
-        """Sort the tensors an op is about to write: storages of this engine (``mutated``, or
-        ``external_written`` if handed out) and constants (``const_written``)."""
-        rt = self.rt
-        for t in tensors:
-            if t is None:
-                continue
-            if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
-                ref = t._dtr
-                s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
-                if s.state is _EXTERNAL:
-                    external_written.append(s)
-                elif s not in mutated:
-                    mutated.append(s)
-            else:
-                const_written.append(self._plain(t))
-
-    def _run(self, facts, func, args, kwargs):
-        rt = self.rt
-        # -- writes (before scanning, so that input indices account for the old roots) ------
+    def _writes(self, facts, args, kwargs) -> Tuple[list, list, list]:
+        """What an op is about to write, sorted (``_sort_written``; batch norm's running
+        statistics, ops.py ``_HIDDEN_WRITES``, count as constants written), once what the
+        writes would destroy is protected (Note [Aliases]): ``(mutated, external_written,
+        const_written)``."""
         mutated: List[Any] = []
-        const_written: List[torch.Tensor] = []
         external_written: List[Any] = []
+        const_written: List[torch.Tensor] = []
         if facts.written:
             for pos, name in facts.written:
                 w = args[pos] if pos is not None else kwargs.get(name)
-                self._sort_written(w if type(w) in (list, tuple) else (w,), mutated, external_written, const_written)
+                self._sort_written(flat_tensors(w), mutated, external_written, const_written)
         elif facts.hidden_writes and (facts.training_arg is None or args[facts.training_arg]):
             for i in facts.hidden_writes:
                 t = args[i]
@@ -305,217 +303,206 @@ class Driver(Gradients, HostCopies):
                 if t is not None:
                     const_written.append(t)
         self.constants.before_writes(mutated, external_written, const_written)
+        return mutated, external_written, const_written
 
-        # -- scan arguments ------------------------------------------------------------------
-        # A view op's record keeps no dependency edges (its outputs live and die with its
-        # base's storage), so only the base is a managed input; other tensors go by value.
-        kind = facts.kind
-        view_of = facts.view_of if kind is _VIEW else -1
-        nv = len(mutated)
-        inputs = [s.root for s in mutated]
-        slots = []
-        consts: List[torch.Tensor] = []
-        targs = list(args)
-        for i, a in enumerate(args):
+    def _sort_written(self, tensors, mutated: list, external_written: list, const_written: list) -> None:
+        """Sort the tensors an op is about to write: storages of this engine (``mutated``, or
+        ``external_written`` if handed out) and constants (``const_written``)."""
+        rt = self.rt
+        for t in tensors:
+            if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
+                ref = t._dtr
+                s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
+                if s.state is _EXTERNAL:
+                    external_written.append(s)
+                elif s not in mutated:
+                    mutated.append(s)
+            else:
+                const_written.append(self._plain(t))
+
+    def _scan(self, items, template, values, inputs, slots, consts, only, where=None) -> bool:
+        """Sort an op's arguments, ``(position or keyword, value)`` pairs (the elements of the
+        list argument ``where``, when it recurses): every run path's one scan.
+
+        A wrapper of this engine becomes an input: appended to ``inputs``, a hole in
+        ``template`` named by a slot (``Call.slots``), its cell's value in ``values``. Any
+        other tensor is a constant: plain (another engine's wrapper is read), in ``template``,
+        ``values`` and ``consts``; a leaf that requires grad (a parameter) gets its ``.grad``
+        hook the first time (gradients.py). ``only``: every wrapper of this engine is an input
+        (None), only those at one position (a view op's base: its record keeps no dependency
+        edges, so other tensors go by value), or none (``_NO_INPUTS``: plain values for an op
+        that is not recorded). Returns whether every input's value is defined; if not,
+        ``values`` is incomplete, and the caller acquires the inputs and fills ``template``.
+        """
+        rt = self.rt
+        defined = True
+        for i, a in items:
             if isinstance(a, _Tensor):
                 if type(a) is DTRTensor:
                     ref = a._dtr
                     c = ref.cell
-                    if c.storage.runtime is rt and (view_of < 0 or i == view_of):
+                    if c.storage.runtime is rt and (only is None or i == only):
                         if c.storage.forward is not None:
                             c = ref.cell = rt.resolve(c)
-                        slots.append((i, -1, len(inputs)))
+                        slots.append((i, -1, len(inputs)) if where is None else (where, i, len(inputs)))
                         inputs.append(c)
-                        targs[i] = None
+                        template[i] = None
+                        v = values[i] = c.value
+                        if v is None:
+                            defined = False
                         continue
-                    a = targs[i] = self._value_of(a)
+                    a = template[i] = values[i] = self._value_of(a)
                 elif a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
                     self._hook(a)
                 consts.append(a)
             elif type(a) in (list, tuple) and a:
-                targs[i] = self._scan_list(a, i, inputs, slots, consts)
-        if view_of >= 0:
-            kwargs = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else kwargs
+                t = list(a)
+                v = list(a)
+                within = None if only is None or i == only else _NO_INPUTS
+                if not self._scan(enumerate(a), t, v, inputs, slots, consts, within, i):
+                    defined = False
+                template[i] = t
+                values[i] = v
+        return defined
+
+    def _run(self, facts, func, args, kwargs):
+        """Run an op on tensors of this engine and register its results (module docstring,
+        steps 2 to 6). An op of ``facts.simple`` (the common case: it writes nothing and returns
+        one new tensor) skips the general bookkeeping at both ends: its inputs are locked as
+        the scan found them when they are all defined, and its one output is registered
+        without sorting the schema's returns (measured: about a third of the per-op cost on
+        small ops)."""
+        rt = self.rt
+        simple = facts.simple
+        if simple:
+            inputs: List[Any] = []
+            only = None
+        else:
+            # Writes are sorted before the scan, so that input indices account for the old
+            # roots of the written storages, first in ``inputs`` (Note [Versions]).
+            mutated, external_written, const_written = self._writes(facts, args, kwargs)
+            inputs = [s.root for s in mutated]
+            only = facts.view_of if facts.kind is _VIEW else None
+        slots: List[Any] = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        vals = list(args)
+        defined = self._scan(enumerate(args), targs, vals, inputs, slots, consts, only)
         tkw = None
+        kw = _NO_KWARGS
         if kwargs:
             tkw = dict(kwargs)
-            for name, a in kwargs.items():
-                if isinstance(a, _Tensor):
-                    if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                        ref = a._dtr
-                        c = ref.cell = rt.resolve(ref.cell)
-                        slots.append((name, -1, len(inputs)))
-                        inputs.append(c)
-                        tkw[name] = None
-                        continue
-                    a = tkw[name] = self._plain(a)
-                    consts.append(a)
-                elif type(a) in (list, tuple) and a:
-                    tkw[name] = self._scan_list(a, name, inputs, slots, consts)
-
-        # -- run --------------------------------------------------------------------------------
-        state = None
-        rt.acquire(inputs)
+            kw = dict(kwargs)
+            defined = self._scan(kwargs.items(), tkw, kw, inputs, slots, consts, only) and defined
+        if simple and defined:  # the values are at hand: lock them, as acquire would
+            for c in inputs:
+                c.storage.locks += 1
+            if rt.arriving:
+                rt.arrive(inputs)
+        else:
+            rt.acquire(inputs)
+            defined = False
         try:
-            if slots:
-                args_v, kw_v = fill(targs, tkw, slots, lambda k: inputs[k].value)
-            else:
-                args_v, kw_v = targs, (tkw or {})
+            if not defined:
+                vals, kw = fill(targs, tkw, slots, lambda k: inputs[k].value)
             if self.count_constants and consts:
                 self.count_constants(consts, facts.name)
+            budget = rt.budget
             sized = None
-            if facts.sized and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
-                sized = self._make_room(facts, func, args_v, kw_v)
-            state = rng.capture(args_v, kw_v) if facts.random else None
+            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
+                sized = self._make_room(facts, func, vals, kw)
+            state = rng.capture(vals, kw) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
-            out = facts.kernel(*args_v, **kw_v)
+            out = facts.kernel(*vals, **kw) if kwargs else facts.kernel(*vals)
             seconds = perf_counter() - t0
             if sized is not None:
-                output_size.correct(sized, out, args_v, kw_v)
+                output_size.correct(sized, out, vals, kw)
+            if simple:
+                if type(out) is _Tensor and out.layout is _strided:
+                    same = returned_input(out, inputs, consts)
+                    nbytes = out.untyped_storage().nbytes()
+                else:  # returned plain (module docstring); inputs still locked, so resident
+                    if isinstance(out, _Tensor):
+                        self.constants.hand_out_parts(out, inputs)
+                    nbytes, same = 0, None
+                if self.estimate:
+                    seconds = estimate_seconds(func, vals, kw, (out,))
         except BaseException:
             rt.unlock(inputs)
             raise
+        if simple:  # register the one output
+            self.op_seconds += seconds
+            if same is not None:
+                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+                return make_wrapper(out, rt, same)
+            if not nbytes:
+                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+                return out
+            if nbytes > self.largest_output:
+                self.largest_output = nbytes
+            call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
+            call.rng = state
+            call.fresh = _FIRST
+            try:
+                (cell,) = rt.complete(call, (), ((nbytes, out, None),))
+            except BaseException:
+                if state is not None:
+                    rng.restore(state)
+                raise
+            if consts:
+                call.consts = self._use_constants(consts)
+                untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
+            return make_wrapper(out, rt, cell)
 
-        if facts.simple and isinstance(out, _Tensor):
-            return self._one_output(facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v)
-
-        # -- register outputs ---------------------------------------------------------------
-        fresh = []
-        fresh_pos = []
-        same: Dict[int, Any] = {}  # output position -> input cell returned as it is
-        returns = facts.returns
-        if len(returns) == 1:
-            pairs = ((returns[0], out),)
-        else:  # several returns, or none (out is None: e.g. the profiler's record_function)
-            pairs = zip(returns, out) if returns else ()
-        pos = 0
-        base_cell = inputs[nv] if kind is _VIEW else None
-        plain = facts.plain_outputs
-        for (rk, is_list, _), o in pairs:
-            for v in (o if is_list else (o,)):
-                if isinstance(v, _Tensor) and rk != WRITTEN and pos not in plain:
-                    if type(v) is not _Tensor or v.layout is not _strided:
-                        self.constants.hand_out_parts(v, inputs)  # returned plain (module docstring)
-                    elif rk == VIEW:
-                        fresh.append((0, v, base_cell))
-                        fresh_pos.append(pos)
-                    else:
-                        c = _returned_input(v, inputs, consts)
-                        if c is not None:
-                            same[pos] = c
-                        else:
-                            nbytes = v.untyped_storage().nbytes()
-                            # An empty output holds nothing to manage, and a one-element
-                            # uninitialized one is a placeholder (ops.py, _PLACEHOLDERS): plain,
-                            # they stay usable by code that swaps storages in (deepcopy,
-                            # torch.load).
-                            if nbytes and not (facts.placeholder and v.numel() <= 1):
-                                fresh.append((nbytes, v, None))
-                                fresh_pos.append(pos)
-                                if nbytes > self.largest_output:
-                                    self.largest_output = nbytes
-                pos += 1
+        # -- register: the general path --------------------------------------------------------
+        nv = len(mutated)
+        fresh, fresh_pos, same_at, plain = sort_outputs(
+            facts, out, inputs, consts, inputs[nv] if facts.kind is _VIEW else None
+        )
+        for v in plain:  # returned plain (module docstring); inputs still locked, so resident
+            self.constants.hand_out_parts(v, inputs)
+        for nbytes, _, _ in fresh:
+            if nbytes > self.largest_output:
+                self.largest_output = nbytes
         if self.estimate:
-            seconds = estimate_seconds(func, args_v, kw_v, flat(out))
+            seconds = estimate_seconds(func, vals, kw, flat(out))
         self.op_seconds += seconds
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
-        call = None
-        if fresh or mutated:
-            rec = call = Call(
-                facts.name, inputs, seconds, replayable, func, tuple(targs), tkw, tuple(slots), grad
-            )
-            call.rng = state
-            call.fresh = tuple(fresh_pos)
-            if nv:
-                call.versions = nv
-                call.derive = {
-                    k: mutated.index(inputs[k].storage)
-                    for k in range(nv, len(inputs))
-                    if inputs[k].storage in mutated
-                } or None
-            if facts.hidden_writes:
-                self._strip_running_stats(facts, call)
-        else:  # nothing to replay: only the dependency edges and the clock are recorded
-            rec = OpRecord(facts.name, inputs, None, seconds, replayable)
+        rec = record(facts, func, inputs, seconds, args=targs, kwargs=tkw, slots=slots, grad=grad,
+                     rng_state=state, fresh=fresh_pos, mutated=mutated, replayable=replayable)
         try:
             cells = rt.complete(rec, [(s, s.value) for s in mutated], fresh)
         except BaseException:
             if state is not None:
                 rng.restore(state)
             raise
-        if call is not None and replayable and consts:
-            call.consts = self._use_constants(consts)
-            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-
-        # -- wrap -----------------------------------------------------------------------------
+        if type(rec) is Call and replayable and consts:
+            rec.consts = self._use_constants(consts)
+            untrack(rec.args, rec.consts)  # they hold tensors: Note [Untracked records]
         by_pos = dict(zip(fresh_pos, cells[nv:]))
-        if same:
-            by_pos.update(same)
-        if len(returns) == 1:
-            return self._wrap_return(returns[0], out, by_pos, 0, args, kwargs)[0]
+        by_pos.update(same_at)
+        return self._returns(facts, out, by_pos, args, kwargs)
+
+    def _returns(self, facts, out, by_pos, args, kwargs):
+        """What the program gets back from an op: a wrapper for each output with a cell in
+        ``by_pos`` (flat position -> cell), its own tensor for a written argument (in-place and
+        ``out=`` ops), anything else as the kernel returned it."""
+        returns = facts.returns
         if not returns:
             return out
+        rt = self.rt
         res = []
         pos = 0
-        for r, o in zip(returns, out):
-            w, pos = self._wrap_return(r, o, by_pos, pos, args, kwargs)
-            res.append(w)
-        return tuple(res)
-
-    def _run_simple(self, facts, func, args):
-        """``_run`` for the common case: an op of ``facts.simple`` called without keyword
-        arguments on tensors that are all defined, none in a list. It scans and unwraps the
-        arguments in one pass; anything else goes to ``_run``, which handles every case."""
-        rt = self.rt
-        inputs: List[Any] = []
-        slots = []
-        consts: List[torch.Tensor] = []
-        targs = list(args)
-        vals = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, _Tensor):
-                if type(a) is DTRTensor:
-                    ref = a._dtr
-                    c = ref.cell
-                    if c.storage.runtime is not rt:  # a wrapper from another block
-                        return self._run(facts, func, args, {})
-                    if c.storage.forward is not None:
-                        c = ref.cell = rt.resolve(c)
-                    if c.value is None:
-                        return self._run(facts, func, args, {})
-                    slots.append((i, -1, len(inputs)))
-                    inputs.append(c)
-                    targs[i] = None
-                    vals[i] = c.value
-                    continue
-                if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
-                    self._hook(a)
-                consts.append(a)
-            elif type(a) in (list, tuple) and a:
-                return self._run(facts, func, args, {})
-        for c in inputs:
-            c.storage.locks += 1
-        if rt.arriving:
-            rt.arrive(inputs)
-        try:
-            if self.count_constants and consts:
-                self.count_constants(consts, facts.name)
-            budget = rt.budget
-            sized = None
-            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
-                sized = self._make_room(facts, func, vals, {})
-            state = rng.capture(vals, {}) if facts.random else None
-            grad = torch.is_grad_enabled()
-            t0 = perf_counter()
-            out = facts.kernel(*vals)
-            seconds = perf_counter() - t0
-            if sized is not None:
-                output_size.correct(sized, out, vals, {})
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        return self._one_output(facts, func, out, inputs, consts, targs, None, slots, state, grad, seconds, vals, {})
+        for (rk, is_list, key), o in zip(returns, (out,) if len(returns) == 1 else out):
+            if rk == WRITTEN:
+                res.append(written_argument(key, args, kwargs))
+            elif is_list:
+                res.append([_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)])
+            else:
+                res.append(_wrapped(o, rt, by_pos.get(pos)))
+            pos += len(o) if is_list else 1
+        return res[0] if len(returns) == 1 else tuple(res)
 
     def _make_room(self, facts, func, args, kwargs) -> Any:
         """Evict for the op's outputs before it runs (inputs locked), when they may not fit.
@@ -538,10 +525,11 @@ class Driver(Gradients, HostCopies):
         return key
 
     def _run_view(self, facts, func, base: DTRTensor, args):
-        """``_run`` for a view op of ``facts.one_view`` called without keyword arguments: one
-        pass, as ``_run_simple``. Views are a quarter of a model's ops (``t`` and ``view`` in
-        every linear layer's backward), and ``_run`` made them dearer than compute ops
-        (measured: ``y.t()`` cost 22 us more than eager, ``tanh`` 13.5)."""
+        """``_run`` for a view op of ``facts.one_view`` called without keyword arguments: its
+        base is its only tensor, so it needs no scan, and its one output no sort. Views are a
+        quarter of a model's ops (``t`` and ``view`` in every linear layer's backward), and
+        ``_run`` made them dearer than compute ops (measured: ``y.t()`` cost 22 us more than
+        eager, ``tanh`` 13.5)."""
         rt = self.rt
         ref = base._dtr
         c = ref.cell
@@ -573,85 +561,6 @@ class Driver(Gradients, HostCopies):
         call.fresh = _FIRST
         (cell,) = rt.complete(call, (), ((0, out, c),))
         return make_wrapper(out, rt, cell)
-
-    def _one_output(self, facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v):
-        """Registration for the common case (``facts.simple``): one new tensor, no writes.
-        The general path below handles it too; this one skips its bookkeeping (measured:
-        about a third of the per-op cost on small ops)."""
-        rt = self.rt
-        try:
-            if type(out) is _Tensor and out.layout is _strided:
-                c = _returned_input(out, inputs, consts)
-                nbytes = out.untyped_storage().nbytes()
-            else:  # returned plain (module docstring); inputs still locked, so resident
-                self.constants.hand_out_parts(out, inputs)
-                nbytes, c = 0, None
-            if self.estimate:
-                seconds = estimate_seconds(func, args_v, kw_v, (out,))
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        self.op_seconds += seconds
-        if c is not None:
-            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-            return make_wrapper(out, rt, c)
-        if not nbytes:
-            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-            return out
-        if nbytes > self.largest_output:
-            self.largest_output = nbytes
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
-        call.rng = state
-        call.fresh = _FIRST
-        try:
-            (cell,) = rt.complete(call, (), ((nbytes, out, None),))
-        except BaseException:
-            if state is not None:
-                rng.restore(state)
-            raise
-        if consts:
-            call.consts = self._use_constants(consts)
-            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-        return make_wrapper(out, rt, cell)
-
-    def _scan_list(self, seq, where, inputs, slots, consts):
-        rt = self.rt
-        out = list(seq)
-        for j, a in enumerate(seq):
-            if isinstance(a, _Tensor):
-                if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                    ref = a._dtr
-                    c = ref.cell = rt.resolve(ref.cell)
-                    slots.append((where, j, len(inputs)))
-                    inputs.append(c)
-                    out[j] = None
-                    continue
-                a = out[j] = self._plain(a)
-                consts.append(a)
-        return out
-
-    def _wrap_return(self, ret, o, by_pos, pos, args, kwargs):
-        """The program's view of one schema return starting at flat position ``pos``."""
-        rk, is_list, key = ret
-        n = len(o) if is_list else 1
-        if rk == WRITTEN:
-            return written_argument(key, args, kwargs), pos + n
-        rt = self.rt
-        if is_list:
-            return [_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)], pos + n
-        return _wrapped(o, rt, by_pos.get(pos)), pos + 1
-
-    @staticmethod
-    def _strip_running_stats(facts, call: Call) -> None:
-        # In training mode batch norm's outputs do not depend on the running statistics, and
-        # a replay must not update them a second time (ops.py, _HIDDEN_WRITES).
-        if facts.replay_stats == "none":
-            args = list(call.args)
-            for i in facts.hidden_writes:
-                args[i] = None
-            call.args = tuple(args)
-        else:
-            call.clone_args = facts.hidden_writes
 
     # ------------------------------------------------------------------ executor
 
@@ -694,20 +603,6 @@ class Driver(Gradients, HostCopies):
                 self._close_gradients()
                 self.constants.clear()
             return rt.counters.rematerializations - before
-
-
-def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
-    """The input cell an op returned as it is although its schema promised a new tensor."""
-    for c in inputs:
-        if c.value is v:
-            return c
-    for t in consts:
-        if t is v:
-            raise DTRError(
-                "dtr internal error: an op returned one of its constant inputs as a new tensor; "
-                "please report the op"
-            )
-    return None
 
 
 def _wrapped(v, rt, cell):

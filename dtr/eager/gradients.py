@@ -13,8 +13,8 @@ ops read.
   not be replayed afterwards) and its ops run untracked on the stepping thread, as do a
   library's own gradient and parameter management (``untracked``; FSDP2).
 
-``Gradients`` is mixed into ``Driver``, whose ``rt``, ``_run``, ``_run_simple`` and
-``to_plain`` it uses; ``Driver.dispatch`` keeps ``node`` and ``node_from`` up to date.
+``Gradients`` is mixed into ``Driver``, whose ``rt``, ``_run`` and ``to_plain`` it uses;
+``Driver.dispatch`` keeps ``node`` and ``node_from`` up to date.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Gradients:
             cell = ref.cell = rt.resolve(ref.cell)
             out = make_wrapper(old, rt, cell)
         else:
-            out = self._run_simple(facts, _ADD, args)
+            out = self._run(facts, _ADD, args, {})
             if type(out) is not DTRTensor:
                 return out
             cell = out._dtr.cell
