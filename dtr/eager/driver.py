@@ -19,10 +19,11 @@ One op (``Driver.dispatch``, the hot path):
    (``ops.program_returns``).
 
 Most ops go through ``Driver._run``; three kinds have paths of their own: a view of its only
-tensor (``_run_view``), a collective (collectives.py, Note [Collectives] in ops.py) and
-autograd summing gradients (``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
-register their one output inline. The driver is the runtime's ``Executor``: ``replay`` here, ``forget``
-the constant table's, the swapping half ``HostCopies`` (host_copies.py).
+tensor (``Views._run_view``, views.py, with ``detach`` and in-place view changes), a collective
+(collectives.py, Note [Collectives] in ops.py) and autograd summing gradients
+(``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
+register their one output inline. The driver is the runtime's ``Executor``: ``replay`` here,
+``forget`` the constant table's, the swapping half ``HostCopies`` (host_copies.py).
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
 is a constant. A parameter's ``.grad`` made in the block is handed out plain but stays charged
@@ -59,9 +60,10 @@ from dtr.eager.output_size import flat_tensors
 from dtr.eager.recording import record, returned_input, sort_outputs
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
+from dtr.eager.views import Views
 from dtr.engine import OpRecord, Runtime, State
 from dtr.engine.collector import untrack
-from dtr.errors import DTRError, OutOfBudgetError
+from dtr.errors import OutOfBudgetError
 
 __all__ = ["Driver"]
 
@@ -80,7 +82,7 @@ _ADD = torch.ops.aten.add.Tensor
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
-class Driver(Gradients, HostCopies):
+class Driver(Views, Gradients, HostCopies):
     """Executes aten ops for one runtime and replays its records (it is the runtime's
     ``Executor``: module docstring)."""
 
@@ -229,47 +231,6 @@ class Driver(Gradients, HostCopies):
             rt.unlock([cell])
             return cell.value
         return w._plain()
-
-    def _alias(self, base: DTRTensor) -> DTRTensor:
-        ref = base._dtr
-        rt = self.rt
-        cell = ref.cell = rt.resolve(ref.cell)
-        if cell.value is None:
-            rt.acquire([cell])
-            rt.unlock([cell])
-        return make_wrapper(cell.value, rt, cell)
-
-    def _inplace_view(self, facts, func, base: DTRTensor, args, kwargs):
-        """``x.unsqueeze_(0)`` and friends: ``x`` becomes a new view of the same storage."""
-        if base.requires_grad:
-            self._refuse_inplace_view_with_views(facts, base)
-        twin = self._run(facts_for(facts.functional), facts.functional, args, kwargs)
-        with _no_python_dispatch():
-            func(base, *args[1:], **kwargs)  # updates the wrapper's own sizes and strides
-        base._dtr.cell = twin._dtr.cell
-        return base
-
-    def _refuse_inplace_view_with_views(self, facts, base: DTRTensor) -> None:
-        """Raise if ``base`` (which requires grad) is a view, or has a live view that requires
-        grad. Changing its shape in place bumps the version its views share, and autograd then
-        rebuilds their backward by replaying their view ops on the base as it is *now* for a
-        tensor subclass (eager uses ``as_strided`` with each view's own strides): gradients
-        come out wrong (``t()`` then ``transpose_``) or autograd raises. Scans the live
-        wrappers, only when another one shares the storage (``matmul`` calls ``squeeze_`` on
-        fresh results)."""
-        views = base._base is not None
-        if not views and self.rt.resolve(base._dtr.cell).storage.refs > 1:  # another wrapper
-            for ref in list(self.rt._refs.values()):
-                v = ref()
-                if v is not None and v is not base and v._base is base and v.requires_grad:
-                    views = True
-                    break
-        if views:
-            raise DTRError(
-                f"dtr: {facts.name} changes the shape of a tensor that requires grad and is a view "
-                "or has one; autograd would rebuild those views' gradients wrongly for a tensor "
-                "subclass. Use the out-of-place op (x = x.transpose(0, 1), x = x.unsqueeze(0), ...)"
-            )
 
     def _unsupported(self, facts, args, kwargs) -> None:
         for a in list(args) + list(kwargs.values()):
@@ -523,44 +484,6 @@ class Driver(Gradients, HostCopies):
         if nbytes:
             self.rt.reserve(nbytes, facts.name)
         return key
-
-    def _run_view(self, facts, func, base: DTRTensor, args):
-        """``_run`` for a view op of ``facts.one_view`` called without keyword arguments: its
-        base is its only tensor, so it needs no scan, and its one output no sort. Views are a
-        quarter of a model's ops (``t`` and ``view`` in every linear layer's backward), and
-        ``_run`` made them dearer than compute ops (measured: ``y.t()`` cost 22 us more than
-        eager, ``tanh`` 13.5)."""
-        rt = self.rt
-        ref = base._dtr
-        c = ref.cell
-        if c.storage.forward is not None:
-            c = ref.cell = rt.resolve(c)
-        if c.value is None:
-            return self._run(facts, func, args, {})
-        i = facts.view_of
-        targs = list(args)
-        targs[i] = None
-        vals = list(args)
-        vals[i] = c.value
-        inputs = [c]
-        c.storage.locks += 1
-        if rt.arriving:
-            rt.arrive(inputs)
-        try:
-            grad = torch.is_grad_enabled()
-            t0 = perf_counter()
-            out = facts.kernel(*vals)
-            seconds = perf_counter() - t0
-            if self.estimate:
-                seconds = estimate_seconds(func, vals, {}, (out,))
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        self.op_seconds += seconds
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
-        call.fresh = _FIRST
-        (cell,) = rt.complete(call, (), ((0, out, c),))
-        return make_wrapper(out, rt, cell)
 
     # ------------------------------------------------------------------ executor
 
