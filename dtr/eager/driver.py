@@ -22,7 +22,8 @@ Most ops go through ``Driver._run``; three kinds have paths of their own: a view
 tensor (``Views._run_view``, views.py, with ``detach`` and in-place view changes), a collective
 (collectives.py, Note [Collectives] in ops.py) and autograd summing gradients
 (``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
-register their one output inline. The driver is the runtime's ``Executor``: ``replay`` here,
+register their one output inline; ``DTR_CROSSCHECK=1`` compares those records with the
+general path's (crosscheck.py). The driver is the runtime's ``Executor``: ``replay`` here,
 ``forget`` the constant table's, the swapping half ``HostCopies`` (host_copies.py).
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
@@ -332,7 +333,8 @@ class Driver(Views, Gradients, HostCopies):
         one new tensor) skips the general bookkeeping at both ends: its inputs are locked as
         the scan found them when they are all defined, and its one output is registered
         without sorting the schema's returns (measured: about a third of the per-op cost on
-        small ops)."""
+        small ops). ``DTR_CROSSCHECK=1`` compares that registration with the general one
+        (crosscheck.py)."""
         rt = self.rt
         simple = facts.simple
         if simple:

@@ -4,7 +4,7 @@ The general path (``Driver._run``) sorts an op's results by the schema's returns
 (``sort_outputs``: new storages, views of its base, inputs returned as they are, outputs
 returned plain) and records a ``Call`` (replay.py) when it made or wrote storages, else a bare
 ``OpRecord`` (``record``). The one-pass paths (simple ops, one-view ops) build the same record
-inline.
+inline; ``DTR_CROSSCHECK=1`` (crosscheck.py) runs these functions beside them and compares.
 """
 
 from __future__ import annotations
