@@ -227,7 +227,8 @@ class Constants:
         unknown: the engine must not evict or swap memory the program still reads."""
         parts = addresses_of(out)
         for c in inputs:
-            if (parts is None or c.value.untyped_storage().data_ptr() in parts) and c.storage.state is not _EXTERNAL:
+            shared = parts is None or c.value.untyped_storage().data_ptr() in parts
+            if shared and c.storage.state is not _EXTERNAL:
                 self.hand_out(c)
 
     # ------------------------------------------------------------------ counting
