@@ -288,7 +288,7 @@ _this = sys.modules[__name__]
 # Groups of dtr's functions on the per-op path: name -> (owner, attribute) pairs.
 GROUPS = {
     "entry": [(DTRMode, "__torch_dispatch__")],  # with mode._dispatch, and all below
-    "dispatch": [(Driver, "dispatch")],  # with _run_simple, _run, _one_output, ..., the kernel
+    "dispatch": [(Driver, "dispatch")],  # with _run, _run_view, ..., the kernel
     "passthrough": [(Driver, "passthrough")],  # ops returned plain (views of constants), kernel incl.
     "records": [(OpRecord, "__init__"), (Call, "__init__")],
     "constants": [(Constants, "use")],
