@@ -65,7 +65,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtr
 import dtr.eager.driver as driver_mod
 import dtr.eager.tensor as tensor_mod
+from dtr.eager.constants import Constants
 from dtr.eager.driver import Driver
+from dtr.eager.gradients import Gradients
 from dtr.eager.mode import DTRMode
 from dtr.eager.ops import FACTS
 from dtr.eager.replay import Call
@@ -286,10 +288,10 @@ _this = sys.modules[__name__]
 # Groups of dtr's functions on the per-op path: name -> (owner, attribute) pairs.
 GROUPS = {
     "entry": [(DTRMode, "__torch_dispatch__")],  # with mode._dispatch, and all below
-    "dispatch": [(Driver, "dispatch")],  # with _run_simple, _run, _one_output, ..., the kernel
+    "dispatch": [(Driver, "dispatch")],  # with _run, _run_view, ..., the kernel
     "passthrough": [(Driver, "passthrough")],  # ops returned plain (views of constants), kernel incl.
     "records": [(OpRecord, "__init__"), (Call, "__init__")],
-    "constants": [(Driver, "_use_constants")],
+    "constants": [(Constants, "use")],
     "acquire": [(Runtime, "acquire")],
     "complete": [(Runtime, "complete")],  # with _wire, unlock, _new_storage
     "storage": [(Runtime, "_new_storage")],  # with Storage.__init__, the resident and _all dicts
@@ -298,7 +300,7 @@ GROUPS = {
     "track": [(Runtime, "track")],
     "callback": [(Runtime, "_on_wrapper_death")],
     "drain": [(Runtime, "drain")],  # wrapper deaths applied: eager eviction, release
-    "hooks": [(Driver, "_on_grad_accumulated")],  # autograd's hook keeping a parameter's .grad plain
+    "hooks": [(Gradients, "_on_grad_accumulated")],  # autograd's hook keeping a parameter's .grad plain
     "block": [(Engine, "__enter__"), (Engine, "__exit__")],  # the block: driver made, runtime closed
 }
 # Runs per instrumented round, each timing groups that never run inside one another (so one

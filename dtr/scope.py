@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from dtr.config import parse_bytes
-from dtr.eager import accumulation, data_parallel
+from dtr.eager import accumulation, crosscheck, data_parallel
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
@@ -183,7 +183,8 @@ class Engine:
                     "state, inputs: on CUDA all it has allocated, elsewhere the tensors the "
                     "engine's last block read), more than the total limit.",
                 )
-        driver = Driver(
+        kind = crosscheck.CrosscheckedDriver if crosscheck.enabled() else Driver  # DTR_CROSSCHECK
+        driver = kind(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
             largest_output=self._largest_output, total=self._total, outside=outside,
             constants_before=self._constants_counted, max_recompute=self._max_recompute,
@@ -269,8 +270,8 @@ class Engine:
             self._host_peak = max(self._host_peak, host.peak)
         self._peak = max(self._peak, driver.rt.peak)
         self._largest_output = driver.largest_output
-        self._constants_counted = max(self._constants_counted, sum(driver.counted.values()))
-        self._constant_bytes = sum(driver.const_bytes.values())
+        self._constants_counted = max(self._constants_counted, driver.constants.counted_bytes)
+        self._constant_bytes = driver.constants.read_bytes
 
     # ---------------------------------------------------------------- stats
 
@@ -290,7 +291,7 @@ class Engine:
                 resident = rt.memory
                 if rt.host is not None:
                     host_peak = max(host_peak, rt.host.peak)
-                constant = sum(driver.const_bytes.values())
+                constant = driver.constants.read_bytes
                 gradients = rt.held_bytes
         return Stats(
             resident_bytes=resident,

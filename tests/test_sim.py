@@ -227,7 +227,7 @@ def test_simulation_repeats_retired_ops(tmp_path):
 
         def resharded(layer, args, out):
             if engine is not None:
-                engine._driver.before_constants_freed([layer.weight, layer.bias])
+                engine._driver.constants.before_freed([layer.weight, layer.bias])
 
         handle = m[0].register_forward_hook(resharded)
         with engine if engine is not None else contextlib.nullcontext():

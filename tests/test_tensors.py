@@ -404,7 +404,7 @@ def test_writes_to_memory_no_live_record_reads_do_not_flush():
         z = x * v.detach()
         w.add_(1)  # nothing live reads w
         assert engine.stats().flushes == 0
-        assert len(engine._driver.const_memory) <= 2
+        assert len(engine._driver.constants.memory) <= 2
         del kept, z
 
 
@@ -452,7 +452,7 @@ def test_writes_through_aliases_are_seen_before_a_replay_needs_the_old_data(owne
     """``u = x * 3`` is evicted, then ``x`` is written through an alias with an identity of its
     own: ``u`` must keep the value computed from the old data, for a constant and for a
     managed storage handed to the program by dtr.materialize after ``u`` was recorded
-    (Note [Aliases] in driver.py)."""
+    (Note [Aliases] in constants.py)."""
     torch.manual_seed(0)
     c = torch.randn(4096)
     c0 = c.clone()

@@ -185,9 +185,9 @@ def _retiring(free):
             # at the first free (each search visits every storage).
             group = _resharded.get(driver)
             if group is None or not any(p is param for p in group[0]):
-                driver.before_constants_freed(_gathered(param))
+                driver.constants.before_freed(_gathered(param))
             elif not group[1]:
-                driver.before_constants_freed([t for p in group[0] for t in _gathered(p)])
+                driver.constants.before_freed([t for p in group[0] for t in _gathered(p)])
                 group[1] = True
         return free(param, *args, **kwargs)
 

@@ -3,22 +3,32 @@
 One op (``Driver.dispatch``, the hot path):
 
 1. look up the op's cached facts (ops.py);
-2. scan the arguments: wrappers of this engine become input cells (holes in a template),
-   plain tensors are constants (never wrapped, never evicted), wrappers of other engines are
-   read as plain values;
-3. before an in-place op, protect what its writes would destroy: a written constant that a
-   recorded op reads forces a flush; a written storage without lineage has its dependents
-   made permanent (``Runtime.before_write``);
-4. ``runtime.acquire`` the inputs (rematerializing as needed), make room for the outputs when
-   the budget is close (Note [Room before an op]), run the kernel and time it;
-5. ``runtime.complete`` the record (new storages, views, new versions), which evicts down to
-   the budget;
-6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects.
+2. scan the arguments (``Driver._scan``, the one scan of every path): wrappers of this engine
+   become input cells (holes in a template), plain tensors are constants (never wrapped, never
+   evicted; constants.py) and parameters among them get their ``.grad`` hook (gradients.py),
+   wrappers of other engines are read as plain values;
+3. before an in-place op, protect what its writes would destroy (``Driver._writes``, Note
+   [Aliases] in constants.py): a written constant that a recorded op reads forces a flush; a
+   written storage without lineage has its dependents made permanent (``Runtime.before_write``);
+4. ``runtime.acquire`` the inputs (rematerializing as needed; a simple op whose inputs the scan
+   found all defined just locks them), make room for the outputs when the budget is close (Note
+   [Room before an op]), run the kernel and time it;
+5. ``runtime.complete`` the record (new storages, views, new versions; recording.py builds the
+   general path's), which evicts down to the budget;
+6. wrap the outputs; in-place and ``out=`` ops return the program's own tensor objects
+   (``ops.program_returns``).
+
+Most ops go through ``Driver._run``; three kinds have paths of their own: a view of its only
+tensor (``Views._run_view``, views.py, with ``detach`` and in-place view changes), a collective
+(collectives.py, Note [Collectives] in ops.py) and autograd summing gradients
+(``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
+register their one output inline; ``DTR_CROSSCHECK=1`` compares those records with the
+general path's (crosscheck.py). The driver is the runtime's ``Executor``: ``replay`` here,
+``forget`` the constant table's, the swapping half ``HostCopies`` (host_copies.py).
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
-is a constant. Collectives take a path of their own (``_run_collective``, Note [Collectives] in
-ops.py), and a parameter's ``.grad`` made in the block is handed out plain but stays charged
-(``_on_grad_accumulated``, Note [Held gradients] in runtime.py).
+is a constant. A parameter's ``.grad`` made in the block is handed out plain but stays charged
+(gradients.py, Note [Held gradients] in runtime.py).
 
 Outputs with a sparse layout (COO, CSR, ...; ``nn.Embedding(sparse=True)``'s gradients), and
 outputs of a tensor subclass with a ``__torch_dispatch__`` of its own, are returned plain too:
@@ -28,87 +38,54 @@ the budget, like constants. A part may be a managed input itself
 (``torch.sparse_coo_tensor(indices, values)`` keeps ``values``); that storage is then handed
 to the program as by ``dtr.materialize`` (every input, where the parts cannot be listed).
 Such tensors read by recorded ops are constants; replays then run with the subclass's
-dispatch on (replay.py).
-
-Note [Aliases]
-~~~~~~~~~~~~~~
-Recorded ops read memory the engine does not own (constants), and the program can hold
-managed memory as a plain tensor (storages handed out, EXTERNAL). A write to either must be
-seen before it happens: a recorded op that read the old data cannot be replayed afterwards
-(``Runtime.flush``), and the outputs of ops that read a handed-out storage are made permanent
-(``Runtime.before_write``). The mode sees every in-place op on the block's thread, but the
-written tensor may be an alias with an identity of its own (``x.data``, ``x.detach()``, a
-sparse tensor's ``_values()``), unknown to ``_key``: writes are matched by memory address
-too. Before that, a write through ``x.data`` of a constant, or through ``.data``,
-``.detach()`` or a sparse part of a handed-out storage, made a later replay read the new data:
-a silent wrong value (tests in test_tensors.py); so did a write through the wrapper of a
-handed-out storage that a record read as a constant (``z = dtr.materialize(y) * 3``, then
-``y.add_``). Not matched: a write no dispatch sees (another thread, numpy), caught at replay by
-the version check only where it shares the version counter; memory a constant reaches after
-``set_`` or ``x.data = y``; the inner tensors of a subclass without ``__tensor_flatten__``;
-an overlapping view of the same memory made elsewhere (two ``from_numpy`` tensors).
+dispatch on (replay.py). What a write to a constant or a handed-out storage must do first is
+the constant table's (constants.py, Note [Aliases]).
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from time import perf_counter
-from typing import Any, Dict, Iterator, List, Optional
+from types import MappingProxyType
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from dtr.eager import accumulation, host_copies, output_size, rng
+from dtr.eager import output_size, rng
+from dtr.eager.collectives import run_collective
+from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.gradients import Gradients
+from dtr.eager.host_copies import HostCopies
+from dtr.eager.ops import FACTS, WRITTEN, Kind, facts_for, program_returns, written_argument
 from dtr.eager.output_size import flat_tensors
-from dtr.eager.ops import FACTS, FRESH, VIEW, WRITTEN, Kind, facts_for
-from dtr.eager.replay import Call, fill, flat, own_dispatch, replay
+from dtr.eager.recording import record, returned_input, sort_outputs
+from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.engine import Cell as _Cell
-from dtr.engine import OpRecord, Runtime, State, Storage
+from dtr.eager.views import Views
+from dtr.engine import OpRecord, Runtime, State
 from dtr.engine.collector import untrack
-from dtr.errors import DTRError, OutOfBudgetError
+from dtr.errors import OutOfBudgetError
 
 __all__ = ["Driver"]
 
 _Tensor = torch.Tensor
 _EXTERNAL = State.EXTERNAL
-_RESIDENT = State.RESIDENT
 _VIEW = Kind.VIEW
 _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
 _COLLECTIVE = Kind.COLLECTIVE
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _FIRST = (0,)
+_NO_INPUTS = -1  # ``_scan``'s ``only``: no argument is an input
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})  # read only: no dict made per op
 _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
-_ADD_ = torch.ops.aten.add_.Tensor
-_graph_task_id = torch._C._current_graph_task_id
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-# The parts of a sparse tensor, per layout (the accessors that do not coalesce).
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
 
 
-def _key(t: torch.Tensor) -> int:
-    """Identity of the tensor a view was taken from (itself if it is not a view).
-
-    Cheaper than asking for its storage (measured: the storage lookup was a tenth of the
-    per-op cost). A write through an alias with an identity of its own (``p.data``) is not
-    matched here but by memory address (Note [Aliases]).
-    """
-    b = t._base
-    return id(t if b is None else b)
-
-
-class Driver:
+class Driver(Views, Gradients, HostCopies):
     """Executes aten ops for one runtime and replays its records (it is the runtime's
-    ``Executor``)."""
+    ``Executor``: module docstring)."""
 
     views_alias_data = True  # torch views share their storage's memory
 
@@ -130,11 +107,11 @@ class Driver:
         # (``count_constants``): as many as the engine's previous block read
         # (``constants_before``), more as new ones are first read. The runtime's budget is what
         # is left of the limit.
+        Gradients.__init__(self)
         self.limit = budget
-        self.count_constants = total and outside is None
-        self.constants_before = constants_before if self.count_constants else 0
-        self.outside = self.constants_before if self.count_constants else (outside or 0)
-        self.counted: Dict[int, int] = {}  # storage address -> bytes of the constants counted
+        counting = total and outside is None
+        self.constants_before = constants_before if counting else 0
+        self.outside = self.constants_before if counting else (outside or 0)
         managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
@@ -143,21 +120,14 @@ class Driver:
         self.estimate = estimate
         # The largest new storage an op of this engine made (Note [Room before an op]).
         self.largest_output = largest_output
-        self.const_uses: Dict[int, int] = {}  # _key -> live records reading that constant
-        # Memory address -> _keys of the constants over it: a write through an alias with an
-        # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
-        self.const_memory: Dict[int, set] = {}
-        self.const_addresses: Dict[int, tuple] = {}  # _key -> its addresses in const_memory
-        self.const_bytes: Dict[int, int] = {}  # _key -> bytes, for Stats.constant_bytes
-        self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
-        self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
-        self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
-        self.suspended_thread: Optional[int] = None  # set during optimizer.step()
+        self.constants = Constants(self.rt, self._charge_constants)
+        # Bound once, as the hot path calls them (one lookup per op); ``forget`` is the
+        # runtime's ``Executor.forget``.
+        self._use_constants = self.constants.use
+        self.forget = self.constants.forget
+        # ``Constants.count`` where constants read count against the limit, else None.
+        self.count_constants = self.constants.count if counting else None
         self.ops = 0  # ops intercepted
-        # The autograd node running (backward), and the first storage id made while it runs:
-        # what was made before it is no temporary of its formula (``_in_place``).
-        self.node = None
-        self.node_from = 0
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
     def set_limit(self, limit: Optional[int], opname: str = "set budget") -> None:
@@ -174,31 +144,18 @@ class Driver:
         self.rt.set_budget(None if limit is None else limit - outside, opname)
         self.limit = limit
 
-    def _count_new_constants(self, consts: List[torch.Tensor], opname: str) -> None:
-        """With ``count_constants``: charge constants read for the first time against the
-        limit (``__init__``), before the op runs; raises ``OutOfBudgetError`` (the op does not
-        run) if the engine cannot evict down to what is left."""
-        counted = self.counted
-        new = []
-        for t in consts:  # by storage: aliases (w.detach(), w.data) are one constant
-            if t.layout is _strided:
-                st = t.untyped_storage()
-                p = st.data_ptr()
-                if p not in counted:
-                    counted[p] = st.nbytes()
-                    new.append(p)
-        if not new:
-            return
+    def _charge_constants(self, nbytes: int, opname: str) -> None:
+        """With ``count_constants``: ``nbytes`` of constants have been read (``Constants.count``);
+        raises ``OutOfBudgetError`` (the op does not run) if the engine cannot evict down to what
+        they leave of the limit (``__init__``)."""
         before = self.outside
-        outside = max(self.constants_before, sum(counted.values()))
+        outside = max(self.constants_before, nbytes)
         if outside > before and self.limit is not None:
             self.outside = outside
             try:
                 self.set_limit(self.limit, opname)
             except BaseException:  # the op does not run: as if they had not been read
                 self.outside = self.rt.outside = before
-                for p in new:
-                    del counted[p]
                 raise
 
     # ------------------------------------------------------------------ dispatch
@@ -225,7 +182,7 @@ class Driver:
                     if kind is Kind.INPLACE_VIEW and type(base) is not DTRTensor:
                         # Recorded ops hold this very tensor object, whose shape is about to
                         # change: as for a write, they must not be replayed after it.
-                        self._before_constant_write([base])
+                        self.constants.before_constants_written([base])
                     return self.passthrough(func, args, kwargs)
                 if kind is _DETACH:
                     return self._alias(base)
@@ -237,91 +194,33 @@ class Driver:
                 self._unsupported(facts, args, kwargs)
                 return self.passthrough(func, args, kwargs)
             elif kind is _COLLECTIVE:
-                return self._run_collective(facts, func, args, kwargs)
-            if facts.simple and not kwargs:
-                if func is _ADD and len(args) == 2 and self._summing(args):
-                    return self._sum(facts, args)
-                return self._run_simple(facts, func, args)
+                return run_collective(self, facts, args, kwargs)
+            elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
+                return self._sum(facts, args)
             return self._run(facts, func, args, kwargs)
-
-    def _summing(self, args) -> bool:
-        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into ``old``: a
-        backward pass, grad mode off, ``old`` a wrapper of this engine with ``new``'s shape,
-        dtype and device (Note [Accumulation in place] in accumulation.py)."""
-        old, new = args
-        if (
-            type(old) is not DTRTensor
-            or not isinstance(new, _Tensor)
-            or new is old
-            or torch.is_grad_enabled()
-            or _graph_task_id() == -1
-        ):
-            return False
-        rt = self.rt
-        ref = old._dtr
-        c = ref.cell
-        if c.storage.runtime is not rt:
-            return False
-        if c.storage.forward is not None:
-            ref.cell = rt.resolve(c)
-        return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
-
-    def _in_place(self, old: DTRTensor, args) -> bool:
-        """Whether nothing but autograd's buffer can see a write to ``old``."""
-        s = old._dtr.cell.storage
-        if self.node is None or s.sid >= self.node_from:
-            # Made while this node runs: a temporary of its backward formula, which C++ may read
-            # again, not a gradient autograd's buffer holds (counts cannot tell them apart).
-            return False
-        if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
-            # The last: a write would make what reads it permanent first (before_write).
-            return False
-        # The whole of its storage, densely (a weight's gradient often arrives transposed).
-        if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
-            return False
-        return accumulation.exclusive(args)
-
-    def _sum(self, facts, args) -> Any:
-        """``old + new`` for autograd: as ``old.add_(new)`` (a new wrapper over the new version
-        of ``old``'s storage) where nothing else can see the write, out of place otherwise;
-        made permanent when it is a parameter's gradient or extends a chain of sums."""
-        old = args[0]
-        rt = self.rt
-        chained = accumulation.summed(old._dtr.cell.storage)
-        if self._in_place(old, args):
-            self._run(FACTS.get(_ADD_) or facts_for(_ADD_), _ADD_, args, {})
-            ref = old._dtr
-            cell = ref.cell = rt.resolve(ref.cell)
-            out = make_wrapper(old, rt, cell)
-        else:
-            out = self._run_simple(facts, _ADD, args)
-            if type(out) is not DTRTensor:
-                return out
-            cell = out._dtr.cell
-        if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
-            rt.make_permanent([cell], yielding=True)
-        return out
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
-        vals = [self._plain(a) for a in args]
-        kw = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else {}
-        out = func(*vals, **kw)
+        vals = list(args)
+        consts: List[torch.Tensor] = []
+        self._scan(enumerate(args), vals, vals, None, None, consts, _NO_INPUTS)
+        if kwargs:
+            kw = dict(kwargs)
+            self._scan(kwargs.items(), kw, kw, None, None, consts, _NO_INPUTS)
+            out = func(*vals, **kw)
+        else:
+            out = func(*vals)
         facts = FACTS.get(func) or facts_for(func)
         if facts.kind is _WRITE or facts.kind is Kind.INPLACE_VIEW:
-            return _original_writes(facts, args, kwargs, out)
+            return program_returns(facts, out, args, kwargs)
         return out
 
     def _plain(self, a):
-        if isinstance(a, _Tensor):
-            if type(a) is DTRTensor:
-                return self._value_of(a)
-            if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
-                self._hook(a)
-            return a
-        if type(a) in (list, tuple):
-            return type(a)(self._plain(b) for b in a)
-        return a
+        """``a`` (an argument: a tensor, a list of them, anything else) as plain values, for a
+        use the engine does not record (``_scan`` with no inputs)."""
+        box = [a]
+        self._scan(((0, a),), box, box, None, None, [], _NO_INPUTS)
+        return box[0]
 
     def _value_of(self, w: DTRTensor) -> torch.Tensor:
         """The current data of a wrapper, as a plain tensor the caller will only read."""
@@ -334,47 +233,6 @@ class Driver:
             return cell.value
         return w._plain()
 
-    def _alias(self, base: DTRTensor) -> DTRTensor:
-        ref = base._dtr
-        rt = self.rt
-        cell = ref.cell = rt.resolve(ref.cell)
-        if cell.value is None:
-            rt.acquire([cell])
-            rt.unlock([cell])
-        return make_wrapper(cell.value, rt, cell)
-
-    def _inplace_view(self, facts, func, base: DTRTensor, args, kwargs):
-        """``x.unsqueeze_(0)`` and friends: ``x`` becomes a new view of the same storage."""
-        if base.requires_grad:
-            self._refuse_inplace_view_with_views(facts, base)
-        twin = self._run(facts_for(facts.functional), facts.functional, args, kwargs)
-        with _no_python_dispatch():
-            func(base, *args[1:], **kwargs)  # updates the wrapper's own sizes and strides
-        base._dtr.cell = twin._dtr.cell
-        return base
-
-    def _refuse_inplace_view_with_views(self, facts, base: DTRTensor) -> None:
-        """Raise if ``base`` (which requires grad) is a view, or has a live view that requires
-        grad. Changing its shape in place bumps the version its views share, and autograd then
-        rebuilds their backward by replaying their view ops on the base as it is *now* for a
-        tensor subclass (eager uses ``as_strided`` with each view's own strides): gradients
-        come out wrong (``t()`` then ``transpose_``) or autograd raises. Scans the live
-        wrappers, only when another one shares the storage (``matmul`` calls ``squeeze_`` on
-        fresh results)."""
-        views = base._base is not None
-        if not views and self.rt.resolve(base._dtr.cell).storage.refs > 1:  # another wrapper
-            for ref in list(self.rt._refs.values()):
-                v = ref()
-                if v is not None and v is not base and v._base is base and v.requires_grad:
-                    views = True
-                    break
-        if views:
-            raise DTRError(
-                f"dtr: {facts.name} changes the shape of a tensor that requires grad and is a view "
-                "or has one; autograd would rebuild those views' gradients wrongly for a tensor "
-                "subclass. Use the out-of-place op (x = x.transpose(0, 1), x = x.unsqueeze(0), ...)"
-            )
-
     def _unsupported(self, facts, args, kwargs) -> None:
         for a in list(args) + list(kwargs.values()):
             if type(a) is DTRTensor and a._dtr.cell.storage.runtime is self.rt:
@@ -384,111 +242,18 @@ class Driver:
                     "get a plain tensor) inside the dtr.budget block"
                 )
 
-    def _sort_written(self, tensors, mutated: list, external_written: list, const_written: list) -> None:
-        """Sort the tensors an op is about to write: storages of this engine (``mutated``, or
-        ``external_written`` if handed out) and constants (``const_written``)."""
-        rt = self.rt
-        for t in tensors:
-            if t is None:
-                continue
-            if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
-                ref = t._dtr
-                s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
-                if s.state is _EXTERNAL:
-                    external_written.append(s)
-                elif s not in mutated:
-                    mutated.append(s)
-            else:
-                const_written.append(self._plain(t))
-
-    def _before_writes(self, mutated: list, external_written: list, const_written: list) -> None:
-        """Protect what the writes ``_sort_written`` found would destroy (Note [Aliases])."""
-        if const_written:
-            self._before_constant_write(const_written)
-        if external_written and self._constants_at(
-            [s.root.value.untyped_storage().data_ptr() for s in external_written]
-        ):
-            self.rt.flush()  # the program read that memory as a constant too (Note [Aliases])
-        if external_written or mutated:
-            self.rt.before_write(external_written + mutated)
-
-    def _run_collective(self, facts, func, args, kwargs):
-        """Run a collective (Note [Collectives] in ops.py) once, on plain values.
-
-        Its record is not replayable, so what it writes or makes cannot be evicted (a swap can
-        still move it). A collective that writes or makes tensors of this engine is waited for
-        before it returns: the engine must not swap out or hand over memory that another rank's
-        data is still landing in. One that touches only constants (DDP's gradient buckets) keeps
-        running asynchronously, as without dtr.
-        """
-        rt = self.rt
-        cells: List[Any] = []
-        originals: Dict[int, Any] = {}  # id(value passed to the kernel) -> the program's tensor
-
-        def scan(a):
-            if type(a) in (list, tuple):
-                return type(a)(scan(b) for b in a)
-            if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                c = a._dtr.cell = rt.resolve(a._dtr.cell)
-                cells.append(c)
-                return c
-            if isinstance(a, _Tensor):
-                a = self._plain(a)
-            return a
-
-        def fill_in(a, program):
-            if type(a) in (list, tuple):
-                return type(a)(fill_in(b, p) for b, p in zip(a, program))
-            if type(a) is _Cell or type(a) is Storage:
-                originals[id(a.value)] = program
-                return a.value
-            if isinstance(a, _Tensor):
-                originals[id(a)] = program
-            return a
-
+    def _writes(self, facts, args, kwargs) -> Tuple[list, list, list]:
+        """What an op is about to write, sorted (``_sort_written``; batch norm's running
+        statistics, ops.py ``_HIDDEN_WRITES``, count as constants written), once what the
+        writes would destroy is protected (Note [Aliases]): ``(mutated, external_written,
+        const_written)``."""
         mutated: List[Any] = []
         external_written: List[Any] = []
         const_written: List[torch.Tensor] = []
-        for pos, name in facts.written:
-            w = args[pos] if pos is not None else kwargs.get(name)
-            self._sort_written(flat_tensors(w), mutated, external_written, const_written)
-        self._before_writes(mutated, external_written, const_written)
-        targs = scan(list(args))
-        tkw = {k: scan(v) for k, v in kwargs.items()}
-        rt.acquire(cells)
-        try:
-            vals = fill_in(targs, args)
-            kw = {k: fill_in(v, kwargs[k]) for k, v in tkw.items()}
-            t0 = perf_counter()
-            out = facts.kernel(*vals, **kw)
-            fresh = [
-                (v.untyped_storage().nbytes(), v, None)
-                for v in flat_tensors(out)
-                if id(v) not in originals and type(v) is _Tensor and v.layout is _strided
-            ]
-            if mutated or fresh:
-                _wait(out)
-            seconds = perf_counter() - t0
-        except BaseException:
-            rt.unlock(cells)
-            raise
-        self.op_seconds += seconds
-        rec = OpRecord(facts.name, cells, None, seconds, False)
-        made = rt.complete(rec, [(s, s.value) for s in mutated], fresh)[len(mutated):]
-        program = {id(v): make_wrapper(v, rt, c) for (_, v, _), c in zip(fresh, made)}
-        program.update(originals)
-        return _rebuilt(out, program)
-
-    def _run(self, facts, func, args, kwargs):
-        rt = self.rt
-        # -- writes (before scanning, so that input indices account for the old roots) ------
-        mutated: List[Any] = []
-        const_written: List[torch.Tensor] = []
-        external_written: List[Any] = []
         if facts.written:
             for pos, name in facts.written:
                 w = args[pos] if pos is not None else kwargs.get(name)
-                self._sort_written(w if type(w) in (list, tuple) else (w,), mutated, external_written, const_written)
+                self._sort_written(flat_tensors(w), mutated, external_written, const_written)
         elif facts.hidden_writes and (facts.training_arg is None or args[facts.training_arg]):
             for i in facts.hidden_writes:
                 t = args[i]
@@ -499,218 +264,208 @@ class Driver:
                     )
                 if t is not None:
                     const_written.append(t)
-        self._before_writes(mutated, external_written, const_written)
+        self.constants.before_writes(mutated, external_written, const_written)
+        return mutated, external_written, const_written
 
-        # -- scan arguments ------------------------------------------------------------------
-        # A view op's record keeps no dependency edges (its outputs live and die with its
-        # base's storage), so only the base is a managed input; other tensors go by value.
-        kind = facts.kind
-        view_of = facts.view_of if kind is _VIEW else -1
-        nv = len(mutated)
-        inputs = [s.root for s in mutated]
-        slots = []
-        consts: List[torch.Tensor] = []
-        targs = list(args)
-        for i, a in enumerate(args):
+    def _sort_written(self, tensors, mutated: list, external_written: list, const_written: list) -> None:
+        """Sort the tensors an op is about to write: storages of this engine (``mutated``, or
+        ``external_written`` if handed out) and constants (``const_written``)."""
+        rt = self.rt
+        for t in tensors:
+            if type(t) is DTRTensor and t._dtr.cell.storage.runtime is rt:
+                ref = t._dtr
+                s = (ref.cell if ref.cell.storage.forward is None else rt.resolve(ref.cell)).storage
+                if s.state is _EXTERNAL:
+                    external_written.append(s)
+                elif s not in mutated:
+                    mutated.append(s)
+            else:
+                const_written.append(self._plain(t))
+
+    def _scan(self, items, template, values, inputs, slots, consts, only, where=None) -> bool:
+        """Sort an op's arguments, ``(position or keyword, value)`` pairs (the elements of the
+        list argument ``where``, when it recurses): every run path's one scan.
+
+        A wrapper of this engine becomes an input: appended to ``inputs``, a hole in
+        ``template`` named by a slot (``Call.slots``), its cell's value in ``values``. Any
+        other tensor is a constant: plain (another engine's wrapper is read), in ``template``,
+        ``values`` and ``consts``; a leaf that requires grad (a parameter) gets its ``.grad``
+        hook the first time (gradients.py). ``only``: every wrapper of this engine is an input
+        (None), only those at one position (a view op's base: its record keeps no dependency
+        edges, so other tensors go by value), or none (``_NO_INPUTS``: plain values for an op
+        that is not recorded). Returns whether every input's value is defined; if not,
+        ``values`` is incomplete, and the caller acquires the inputs and fills ``template``.
+        """
+        rt = self.rt
+        defined = True
+        for i, a in items:
             if isinstance(a, _Tensor):
                 if type(a) is DTRTensor:
                     ref = a._dtr
                     c = ref.cell
-                    if c.storage.runtime is rt and (view_of < 0 or i == view_of):
+                    if c.storage.runtime is rt and (only is None or i == only):
                         if c.storage.forward is not None:
                             c = ref.cell = rt.resolve(c)
-                        slots.append((i, -1, len(inputs)))
+                        slots.append((i, -1, len(inputs)) if where is None else (where, i, len(inputs)))
                         inputs.append(c)
-                        targs[i] = None
+                        template[i] = None
+                        v = values[i] = c.value
+                        if v is None:
+                            defined = False
                         continue
-                    a = targs[i] = self._value_of(a)
+                    a = template[i] = values[i] = self._value_of(a)
                 elif a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
                     self._hook(a)
                 consts.append(a)
             elif type(a) in (list, tuple) and a:
-                targs[i] = self._scan_list(a, i, inputs, slots, consts)
-        if view_of >= 0:
-            kwargs = {k: self._plain(v) for k, v in kwargs.items()} if kwargs else kwargs
+                t = list(a)
+                v = list(a)
+                within = None if only is None or i == only else _NO_INPUTS
+                if not self._scan(enumerate(a), t, v, inputs, slots, consts, within, i):
+                    defined = False
+                template[i] = t
+                values[i] = v
+        return defined
+
+    def _run(self, facts, func, args, kwargs):
+        """Run an op on tensors of this engine and register its results (module docstring,
+        steps 2 to 6). An op of ``facts.simple`` (the common case: it writes nothing and returns
+        one new tensor) skips the general bookkeeping at both ends: its inputs are locked as
+        the scan found them when they are all defined, and its one output is registered
+        without sorting the schema's returns (measured: about a third of the per-op cost on
+        small ops). ``DTR_CROSSCHECK=1`` compares that registration with the general one
+        (crosscheck.py)."""
+        rt = self.rt
+        simple = facts.simple
+        if simple:
+            inputs: List[Any] = []
+            only = None
+        else:
+            # Writes are sorted before the scan, so that input indices account for the old
+            # roots of the written storages, first in ``inputs`` (Note [Versions]).
+            mutated, external_written, const_written = self._writes(facts, args, kwargs)
+            inputs = [s.root for s in mutated]
+            only = facts.view_of if facts.kind is _VIEW else None
+        slots: List[Any] = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        vals = list(args)
+        defined = self._scan(enumerate(args), targs, vals, inputs, slots, consts, only)
         tkw = None
+        kw = _NO_KWARGS
         if kwargs:
             tkw = dict(kwargs)
-            for name, a in kwargs.items():
-                if isinstance(a, _Tensor):
-                    if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                        ref = a._dtr
-                        c = ref.cell = rt.resolve(ref.cell)
-                        slots.append((name, -1, len(inputs)))
-                        inputs.append(c)
-                        tkw[name] = None
-                        continue
-                    a = tkw[name] = self._plain(a)
-                    consts.append(a)
-                elif type(a) in (list, tuple) and a:
-                    tkw[name] = self._scan_list(a, name, inputs, slots, consts)
-
-        # -- run --------------------------------------------------------------------------------
-        state = None
-        rt.acquire(inputs)
+            kw = dict(kwargs)
+            defined = self._scan(kwargs.items(), tkw, kw, inputs, slots, consts, only) and defined
+        if simple and defined:  # the values are at hand: lock them, as acquire would
+            for c in inputs:
+                c.storage.locks += 1
+            if rt.arriving:
+                rt.arrive(inputs)
+        else:
+            rt.acquire(inputs)
+            defined = False
         try:
-            if slots:
-                args_v, kw_v = fill(targs, tkw, slots, lambda k: inputs[k].value)
-            else:
-                args_v, kw_v = targs, (tkw or {})
+            if not defined:
+                vals, kw = fill(targs, tkw, slots, lambda k: inputs[k].value)
             if self.count_constants and consts:
-                self._count_new_constants(consts, facts.name)
+                self.count_constants(consts, facts.name)
+            budget = rt.budget
             sized = None
-            if facts.sized and rt.budget is not None and rt.memory + self.largest_output > rt.budget:
-                sized = self._make_room(facts, func, args_v, kw_v)
-            state = rng.capture(args_v, kw_v) if facts.random else None
+            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
+                sized = self._make_room(facts, func, vals, kw)
+            state = rng.capture(vals, kw) if facts.random else None
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
-            out = facts.kernel(*args_v, **kw_v)
+            out = facts.kernel(*vals, **kw) if kwargs else facts.kernel(*vals)
             seconds = perf_counter() - t0
             if sized is not None:
-                output_size.correct(sized, out, args_v, kw_v)
+                output_size.correct(sized, out, vals, kw)
+            if simple:
+                if type(out) is _Tensor and out.layout is _strided:
+                    same = returned_input(out, inputs, consts)
+                    nbytes = out.untyped_storage().nbytes()
+                else:  # returned plain (module docstring); inputs still locked, so resident
+                    if isinstance(out, _Tensor):
+                        self.constants.hand_out_parts(out, inputs)
+                    nbytes, same = 0, None
+                if self.estimate:
+                    seconds = estimate_seconds(func, vals, kw, (out,))
         except BaseException:
             rt.unlock(inputs)
             raise
+        if simple:  # register the one output
+            self.op_seconds += seconds
+            if same is not None:
+                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+                return make_wrapper(out, rt, same)
+            if not nbytes:
+                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+                return out
+            if nbytes > self.largest_output:
+                self.largest_output = nbytes
+            call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
+            call.rng = state
+            call.fresh = _FIRST
+            try:
+                (cell,) = rt.complete(call, (), ((nbytes, out, None),))
+            except BaseException:
+                if state is not None:
+                    rng.restore(state)
+                raise
+            if consts:
+                call.consts = self._use_constants(consts)
+                untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
+            return make_wrapper(out, rt, cell)
 
-        if facts.simple and isinstance(out, _Tensor):
-            return self._one_output(facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v)
-
-        # -- register outputs ---------------------------------------------------------------
-        fresh = []
-        fresh_pos = []
-        same: Dict[int, Any] = {}  # output position -> input cell returned as it is
-        returns = facts.returns
-        if len(returns) == 1:
-            pairs = ((returns[0], out),)
-        else:  # several returns, or none (out is None: e.g. the profiler's record_function)
-            pairs = zip(returns, out) if returns else ()
-        pos = 0
-        base_cell = inputs[nv] if kind is _VIEW else None
-        plain = facts.plain_outputs
-        for (rk, is_list, _), o in pairs:
-            for v in (o if is_list else (o,)):
-                if isinstance(v, _Tensor) and rk != WRITTEN and pos not in plain:
-                    if type(v) is not _Tensor or v.layout is not _strided:
-                        self._hand_out_parts(v, inputs)  # returned plain (module docstring)
-                    elif rk == VIEW:
-                        fresh.append((0, v, base_cell))
-                        fresh_pos.append(pos)
-                    else:
-                        c = _returned_input(v, inputs, consts)
-                        if c is not None:
-                            same[pos] = c
-                        else:
-                            nbytes = v.untyped_storage().nbytes()
-                            # An empty output holds nothing to manage, and a one-element
-                            # uninitialized one is a placeholder (ops.py, _PLACEHOLDERS): plain,
-                            # they stay usable by code that swaps storages in (deepcopy,
-                            # torch.load).
-                            if nbytes and not (facts.placeholder and v.numel() <= 1):
-                                fresh.append((nbytes, v, None))
-                                fresh_pos.append(pos)
-                                if nbytes > self.largest_output:
-                                    self.largest_output = nbytes
-                pos += 1
+        # -- register: the general path --------------------------------------------------------
+        nv = len(mutated)
+        fresh, fresh_pos, same_at, plain = sort_outputs(
+            facts, out, inputs, consts, inputs[nv] if facts.kind is _VIEW else None
+        )
+        for v in plain:  # returned plain (module docstring); inputs still locked, so resident
+            self.constants.hand_out_parts(v, inputs)
+        for nbytes, _, _ in fresh:
+            if nbytes > self.largest_output:
+                self.largest_output = nbytes
         if self.estimate:
-            seconds = estimate_seconds(func, args_v, kw_v, flat(out))
+            seconds = estimate_seconds(func, vals, kw, flat(out))
         self.op_seconds += seconds
         replayable = not ((const_written and not facts.hidden_writes) or external_written)
-        call = None
-        if fresh or mutated:
-            rec = call = Call(
-                facts.name, inputs, seconds, replayable, func, tuple(targs), tkw, tuple(slots), grad
-            )
-            call.rng = state
-            call.fresh = tuple(fresh_pos)
-            if nv:
-                call.versions = nv
-                call.derive = {
-                    k: mutated.index(inputs[k].storage)
-                    for k in range(nv, len(inputs))
-                    if inputs[k].storage in mutated
-                } or None
-            if facts.hidden_writes:
-                self._strip_running_stats(facts, call)
-        else:  # nothing to replay: only the dependency edges and the clock are recorded
-            rec = OpRecord(facts.name, inputs, None, seconds, replayable)
+        rec = record(facts, func, inputs, seconds, args=targs, kwargs=tkw, slots=slots, grad=grad,
+                     rng_state=state, fresh=fresh_pos, mutated=mutated, replayable=replayable)
         try:
             cells = rt.complete(rec, [(s, s.value) for s in mutated], fresh)
         except BaseException:
             if state is not None:
-                _restore_program_rng(state)
+                rng.restore(state)
             raise
-        if call is not None and replayable and consts:
-            call.consts = self._use_constants(consts)
-            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-
-        # -- wrap -----------------------------------------------------------------------------
+        if type(rec) is Call and replayable and consts:
+            rec.consts = self._use_constants(consts)
+            untrack(rec.args, rec.consts)  # they hold tensors: Note [Untracked records]
         by_pos = dict(zip(fresh_pos, cells[nv:]))
-        if same:
-            by_pos.update(same)
-        if len(returns) == 1:
-            return self._wrap_return(returns[0], out, by_pos, 0, args, kwargs)[0]
+        by_pos.update(same_at)
+        return self._returns(facts, out, by_pos, args, kwargs)
+
+    def _returns(self, facts, out, by_pos, args, kwargs):
+        """What the program gets back from an op: a wrapper for each output with a cell in
+        ``by_pos`` (flat position -> cell), its own tensor for a written argument (in-place and
+        ``out=`` ops), anything else as the kernel returned it."""
+        returns = facts.returns
         if not returns:
             return out
+        rt = self.rt
         res = []
         pos = 0
-        for r, o in zip(returns, out):
-            w, pos = self._wrap_return(r, o, by_pos, pos, args, kwargs)
-            res.append(w)
-        return tuple(res)
-
-    def _run_simple(self, facts, func, args):
-        """``_run`` for the common case: an op of ``facts.simple`` called without keyword
-        arguments on tensors that are all defined, none in a list. It scans and unwraps the
-        arguments in one pass; anything else goes to ``_run``, which handles every case."""
-        rt = self.rt
-        inputs: List[Any] = []
-        slots = []
-        consts: List[torch.Tensor] = []
-        targs = list(args)
-        vals = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, _Tensor):
-                if type(a) is DTRTensor:
-                    ref = a._dtr
-                    c = ref.cell
-                    if c.storage.runtime is not rt:  # a wrapper from another block
-                        return self._run(facts, func, args, {})
-                    if c.storage.forward is not None:
-                        c = ref.cell = rt.resolve(c)
-                    if c.value is None:
-                        return self._run(facts, func, args, {})
-                    slots.append((i, -1, len(inputs)))
-                    inputs.append(c)
-                    targs[i] = None
-                    vals[i] = c.value
-                    continue
-                if a.requires_grad and a.is_leaf and id(a) not in self.hooks and a._base is None:
-                    self._hook(a)
-                consts.append(a)
-            elif type(a) in (list, tuple) and a:
-                return self._run(facts, func, args, {})
-        for c in inputs:
-            c.storage.locks += 1
-        if rt.arriving:
-            rt.arrive(inputs)
-        try:
-            if self.count_constants and consts:
-                self._count_new_constants(consts, facts.name)
-            budget = rt.budget
-            sized = None
-            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
-                sized = self._make_room(facts, func, vals, {})
-            state = rng.capture(vals, {}) if facts.random else None
-            grad = torch.is_grad_enabled()
-            t0 = perf_counter()
-            out = facts.kernel(*vals)
-            seconds = perf_counter() - t0
-            if sized is not None:
-                output_size.correct(sized, out, vals, {})
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        return self._one_output(facts, func, out, inputs, consts, targs, None, slots, state, grad, seconds, vals, {})
+        for (rk, is_list, key), o in zip(returns, (out,) if len(returns) == 1 else out):
+            if rk == WRITTEN:
+                res.append(written_argument(key, args, kwargs))
+            elif is_list:
+                res.append([_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)])
+            else:
+                res.append(_wrapped(o, rt, by_pos.get(pos)))
+            pos += len(o) if is_list else 1
+        return res[0] if len(returns) == 1 else tuple(res)
 
     def _make_room(self, facts, func, args, kwargs) -> Any:
         """Evict for the op's outputs before it runs (inputs locked), when they may not fit.
@@ -732,227 +487,10 @@ class Driver:
             self.rt.reserve(nbytes, facts.name)
         return key
 
-    def _run_view(self, facts, func, base: DTRTensor, args):
-        """``_run`` for a view op of ``facts.one_view`` called without keyword arguments: one
-        pass, as ``_run_simple``. Views are a quarter of a model's ops (``t`` and ``view`` in
-        every linear layer's backward), and ``_run`` made them dearer than compute ops
-        (measured: ``y.t()`` cost 22 us more than eager, ``tanh`` 13.5)."""
-        rt = self.rt
-        ref = base._dtr
-        c = ref.cell
-        if c.storage.forward is not None:
-            c = ref.cell = rt.resolve(c)
-        if c.value is None:
-            return self._run(facts, func, args, {})
-        i = facts.view_of
-        targs = list(args)
-        targs[i] = None
-        vals = list(args)
-        vals[i] = c.value
-        inputs = [c]
-        c.storage.locks += 1
-        if rt.arriving:
-            rt.arrive(inputs)
-        try:
-            grad = torch.is_grad_enabled()
-            t0 = perf_counter()
-            out = facts.kernel(*vals)
-            seconds = perf_counter() - t0
-            if self.estimate:
-                seconds = estimate_seconds(func, vals, {}, (out,))
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        self.op_seconds += seconds
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
-        call.fresh = _FIRST
-        (cell,) = rt.complete(call, (), ((0, out, c),))
-        return make_wrapper(out, rt, cell)
-
-    def _one_output(self, facts, func, out, inputs, consts, targs, tkw, slots, state, grad, seconds, args_v, kw_v):
-        """Registration for the common case (``facts.simple``): one new tensor, no writes.
-        The general path below handles it too; this one skips its bookkeeping (measured:
-        about a third of the per-op cost on small ops)."""
-        rt = self.rt
-        try:
-            if type(out) is _Tensor and out.layout is _strided:
-                c = _returned_input(out, inputs, consts)
-                nbytes = out.untyped_storage().nbytes()
-            else:  # returned plain (module docstring); inputs still locked, so resident
-                self._hand_out_parts(out, inputs)
-                nbytes, c = 0, None
-            if self.estimate:
-                seconds = estimate_seconds(func, args_v, kw_v, (out,))
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        self.op_seconds += seconds
-        if c is not None:
-            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-            return make_wrapper(out, rt, c)
-        if not nbytes:
-            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-            return out
-        if nbytes > self.largest_output:
-            self.largest_output = nbytes
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
-        call.rng = state
-        call.fresh = _FIRST
-        try:
-            (cell,) = rt.complete(call, (), ((nbytes, out, None),))
-        except BaseException:
-            if state is not None:
-                _restore_program_rng(state)
-            raise
-        if consts:
-            call.consts = self._use_constants(consts)
-            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-        return make_wrapper(out, rt, cell)
-
-    def _scan_list(self, seq, where, inputs, slots, consts):
-        rt = self.rt
-        out = list(seq)
-        for j, a in enumerate(seq):
-            if isinstance(a, _Tensor):
-                if type(a) is DTRTensor and a._dtr.cell.storage.runtime is rt:
-                    ref = a._dtr
-                    c = ref.cell = rt.resolve(ref.cell)
-                    slots.append((where, j, len(inputs)))
-                    inputs.append(c)
-                    out[j] = None
-                    continue
-                a = out[j] = self._plain(a)
-                consts.append(a)
-        return out
-
-    def _wrap_return(self, ret, o, by_pos, pos, args, kwargs):
-        """The program's view of one schema return starting at flat position ``pos``."""
-        rk, is_list, key = ret
-        n = len(o) if is_list else 1
-        if rk == WRITTEN:
-            i, name = key
-            return (args[i] if i is not None else kwargs[name]), pos + n
-        rt = self.rt
-        if is_list:
-            return [_wrapped(v, rt, by_pos.get(pos + j)) for j, v in enumerate(o)], pos + n
-        return _wrapped(o, rt, by_pos.get(pos)), pos + 1
-
-    @staticmethod
-    def _strip_running_stats(facts, call: Call) -> None:
-        # In training mode batch norm's outputs do not depend on the running statistics, and
-        # a replay must not update them a second time (ops.py, _HIDDEN_WRITES).
-        if facts.replay_stats == "none":
-            args = list(call.args)
-            for i in facts.hidden_writes:
-                args[i] = None
-            call.args = tuple(args)
-        else:
-            call.clone_args = facts.hidden_writes
-
-    # ------------------------------------------------------------------ constants
-
-    def _use_constants(self, consts: List[torch.Tensor]) -> tuple:
-        uses = self.const_uses
-        info: list = []
-        for t in consts:
-            b = t._base
-            key = id(t if b is None else b)
-            n = uses.get(key)
-            if n is None:
-                uses[key] = 1
-                addresses = self.const_addresses[key] = _addresses(t) or ()
-                for p in addresses:
-                    self.const_memory.setdefault(p, set()).add(key)
-                if key not in self.const_bytes and t.layout is _strided:
-                    self.const_bytes[key] = t.untyped_storage().nbytes()
-            else:
-                uses[key] = n + 1
-            info += (key, t, t._version)
-        return tuple(info)
-
-    def _before_constant_write(self, tensors: List[torch.Tensor]) -> None:
-        rt = self.rt
-        uses = self.const_uses
-        for t in tensors:
-            addresses = _addresses(t) or ()
-            if uses.get(_key(t)) or self._constants_at(addresses):
-                # A recorded op read this tensor; once it changes, that op cannot be replayed.
-                rt.flush()
-                return
-            external = self.external
-            handed = [external[p] for p in addresses if p in external and external[p].state is _EXTERNAL]
-            if handed:
-                rt.before_write(handed)
-
-    def _constants_at(self, addresses) -> bool:
-        """Whether a live record reads a constant over memory at one of ``addresses``."""
-        uses = self.const_uses
-        return any(uses.get(k) for p in addresses for k in self.const_memory.get(p, ()))
-
-    def _hand_out_parts(self, out: torch.Tensor, inputs) -> None:
-        """Hand to the program each managed input whose storage a part of ``out`` (a sparse
-        tensor or a tensor subclass, returned plain) shares, or every input if its parts are
-        unknown: the engine must not evict or swap memory the program still reads."""
-        parts = _addresses(out)
-        for c in inputs:
-            p = c.value.untyped_storage().data_ptr()
-            if (parts is None or p in parts) and c.storage.state is not _EXTERNAL:
-                self.rt.extract(c)
-                self.external[p] = c.storage
-
     # ------------------------------------------------------------------ executor
 
     def replay(self, rec):
         return replay(rec, self.estimate)
-
-    @staticmethod
-    def swap_out(value):
-        with _no_python_dispatch():
-            return host_copies.swap_out(value)
-
-    @staticmethod
-    def swap_done(handle) -> bool:
-        return handle.done()
-
-    @staticmethod
-    def swap_wait(handle) -> None:
-        handle.event.synchronize()
-        handle.done()
-
-    @staticmethod
-    def swap_in(handle):
-        with _no_python_dispatch():
-            return host_copies.swap_in(handle)
-
-    @staticmethod
-    def prefetch(handle):
-        with _no_python_dispatch():
-            return host_copies.prefetch(handle)
-
-    @staticmethod
-    def arrive(pending) -> None:
-        with _no_python_dispatch():
-            host_copies.arrive(pending)
-
-    def forget(self, rec) -> None:
-        if type(rec) is not Call:
-            return
-        uses = self.const_uses
-        for key in rec.consts[::3]:
-            n = uses[key] - 1
-            if n:
-                uses[key] = n
-            else:
-                del uses[key]
-                # Its id may be reused by another constant: no stale key may stay at its memory.
-                for p in self.const_addresses.pop(key, ()):
-                    keys = self.const_memory[p]
-                    keys.discard(key)
-                    if not keys:
-                        del self.const_memory[p]
-        # Whatever still holds the record must not keep its constants and RNG state alive.
-        rec.args = rec.consts = ()
-        rec.kwargs = rec.rng = None
 
     # ------------------------------------------------------------------ handing data out
 
@@ -975,86 +513,9 @@ class Driver:
                     return cell.value.clone()
                 finally:
                     rt.unlock([cell])
-            value = rt.extract(cell)
-            self.external[value.untyped_storage().data_ptr()] = s
-            return value
-
-    def _hook(self, leaf: torch.Tensor) -> None:
-        """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
-        engine-owned tensors (feasibility Q1). Views of leaves (``w.t()`` built in backward is a
-        leaf view that requires grad) never accumulate gradients and get no hook."""
-        # One bound method for every leaf: a closure per leaf was two more objects per
-        # parameter and block for the cyclic collector (docs/runtime.md).
-        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(self._plain_grad)
-
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        g = param.grad
-        rt = self.rt
-        # A gradient with a graph (backward(create_graph=True)) stays the engine's: a plain copy
-        # would drop the graph a gradient penalty differentiates through.
-        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed and g.grad_fn is None:
-            plain = param.grad = self.to_plain(g, for_grad=True)
-            with rt.lock:  # Note [Held gradients] in runtime.py
-                rt.hold(id(param), plain.untyped_storage().nbytes())
+            return self.constants.hand_out(cell)
 
     # ------------------------------------------------------------------ lifecycle
-
-    def begin_optimizer_step(self) -> None:
-        """Parameters are about to change: recorded ops that read them cannot be replayed.
-        Make live tensors resident and drop all lineage; run the step untracked."""
-        rt = self.rt
-        with rt.lock, _no_python_dispatch():
-            rt.drain()
-            rt.flush()
-        self.suspended_thread = threading.get_ident()
-
-    def end_optimizer_step(self) -> None:
-        self.suspended_thread = None
-
-    @contextmanager
-    def untracked(self) -> Iterator[None]:
-        """Run the ops inside on plain values, unrecorded, on this thread: a library's own
-        management of parameters and gradients (FSDP2's gathers and reductions) is not
-        activations, and its buffers must stay plain tensors."""
-        before = self.suspended_thread
-        self.suspended_thread = threading.get_ident()
-        try:
-            yield
-        finally:
-            self.suspended_thread = before
-
-    def before_constants_freed(self, tensors: List[torch.Tensor]) -> None:
-        """Call before the memory of these constants is freed by their owner (FSDP2 resharding
-        its gathered parameters): no recorded op that reads it may run again
-        (``Runtime.retire``). Raises ``OutOfBudgetError`` (changing nothing) if what must be
-        kept does not fit."""
-        memory = self.const_memory
-        keys = {k for t in tensors for p in _addresses(t) or () for k in memory.get(p, ())}
-        if not keys:
-            return
-        rt = self.rt
-        with rt.lock, _no_python_dispatch():
-            rt.drain()
-            reading = [
-                s for s in rt.storages() if type(s.parent) is Call and not keys.isdisjoint(s.parent.consts[::3])
-            ]
-            rt.retire(reading)
-
-    def hold_gradient(self, key: torch.Tensor, grads: List[Optional[torch.Tensor]]) -> None:
-        """Charge ``grads`` (plain tensors, or DTensors counted by their local shard) under
-        ``key``'s identity in place of what it held (Note [Held gradients] in runtime.py): a
-        library that moves a gradient elsewhere (FSDP2 reducing it to its shard) says so here."""
-        nbytes = 0
-        for g in grads:
-            if g is not None:
-                local = g.to_local() if hasattr(g, "to_local") else g
-                # Its own bytes: FSDP2's sharded gradients are views into one flat buffer per
-                # parameter group, which would be charged once per parameter by storage.
-                nbytes += local.numel() * local.element_size()
-        rt = self.rt
-        if nbytes or id(key) in rt.held:
-            with rt.lock:
-                rt.hold(id(key), nbytes)
 
     def close(self) -> int:
         """End of block. Returns how many ops had to be replayed to define live tensors."""
@@ -1064,105 +525,12 @@ class Driver:
             try:
                 rt.close()
             finally:
-                for h in self.hooks.values():
-                    h.remove()
-                self.hooks.clear()
-                self.node = None
-                self.const_uses.clear()
-                self.const_memory.clear()
-                self.const_addresses.clear()
-                self.external.clear()
-                self.suspended_thread = None
+                self._close_gradients()
+                self.constants.clear()
             return rt.counters.rematerializations - before
-
-
-def _addresses(t: torch.Tensor) -> Optional[tuple]:
-    """Addresses of the memory ``t``'s data lives in: its storage's, its parts' for a sparse
-    layout, its inner tensors' for a subclass that lists them (``__tensor_flatten__``); none
-    for mkldnn (which copies its input); None where they cannot be known."""
-    if own_dispatch(t):
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return None
-        found: tuple = ()
-        for name in flatten()[0]:
-            inner = _addresses(getattr(t, name))
-            if inner is None:
-                return None
-            found += inner
-        return found
-    try:
-        if t.layout is _strided:
-            storages = (t.untyped_storage(),)
-        else:
-            storages = tuple(getattr(t, name)().untyped_storage() for name in _SPARSE_PARTS.get(t.layout, ()))
-        # Empty storages all sit at address 0: they hold nothing a write could change.
-        return tuple(st.data_ptr() for st in storages if st.nbytes())
-    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (vmap)
-        return None
-
-
-def _returned_input(v: torch.Tensor, inputs, consts) -> Any:
-    """The input cell an op returned as it is although its schema promised a new tensor."""
-    for c in inputs:
-        if c.value is v:
-            return c
-    for t in consts:
-        if t is v:
-            raise DTRError(
-                "dtr internal error: an op returned one of its constant inputs as a new tensor; "
-                "please report the op"
-            )
-    return None
-
-
-def _rebuilt(a, program: Dict[int, Any]):
-    """``a`` (a collective's result) with each tensor replaced by the program's object for it."""
-    if type(a) in (list, tuple):
-        return type(a)(_rebuilt(b, program) for b in a)
-    return program.get(id(a), a) if isinstance(a, _Tensor) else a
-
-
-def _wait(out) -> None:
-    """Wait until a collective's data has landed: its ``Work`` (``c10d`` ops) or each of its
-    tensors (functional collectives)."""
-    works = [w for w in (out if type(out) in (list, tuple) else (out,)) if hasattr(w, "wait")]
-    for w in works:
-        w.wait()
-    if not works:
-        for t in flat_tensors(out):
-            torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _wrapped(v, rt, cell):
     """A wrapper for an output with a cell; anything else (plain outputs, None) as it is."""
     return v if cell is None else make_wrapper(v, rt, cell)
 
-
-def _original_writes(facts, args, kwargs, out):
-    returns = facts.returns
-    if not returns:  # ``-> ()``: an op writing a list of ``out=`` tensors
-        return out
-    if len(returns) == 1:
-        rk, _, key = returns[0]
-        if rk == WRITTEN:
-            return args[key[0]] if key[0] is not None else kwargs[key[1]]
-        return out
-    res = []
-    for (rk, _, key), o in zip(returns, out):
-        if rk == WRITTEN:
-            res.append(args[key[0]] if key[0] is not None else kwargs[key[1]])
-        else:
-            res.append(o)
-    return tuple(res)
-
-
-def _restore_program_rng(state) -> None:
-    """An op that failed for lack of memory must not have advanced the random stream."""
-    kind, where, saved = state
-    if kind == "generator":
-        where.set_state(saved)
-    elif kind == "cuda":
-        torch.cuda.set_rng_state(saved, where)
-    else:
-        torch.set_rng_state(saved)

@@ -3,9 +3,7 @@ on it and return plain tensors (in-place and ``out=`` ops return the program's o
 
 from __future__ import annotations
 
-import torch
-
-from dtr.eager.ops import WRITTEN, facts_for
+from dtr.eager.ops import facts_for, program_returns
 
 __all__ = ["run_escaped"]
 
@@ -22,14 +20,4 @@ def run_escaped(wrapper: type, func, args, kwargs):
     """Run ``func`` eagerly on the plain values of the ``wrapper`` tensors (``DTRTensor``,
     passed in by its ``__torch_dispatch__``) among ``args`` and ``kwargs``."""
     out = func(*[_plain(a, wrapper) for a in args], **{k: _plain(v, wrapper) for k, v in kwargs.items()})
-    returns = facts_for(func).returns
-    if not any(rk == WRITTEN for rk, _, _ in returns):
-        return out
-
-    def original(key):
-        pos, name = key
-        return args[pos] if pos is not None else kwargs[name]
-
-    if len(returns) == 1:
-        return original(returns[0][2])
-    return tuple(original(key) if rk == WRITTEN else o for (rk, _, key), o in zip(returns, out))
+    return program_returns(facts_for(func), out, args, kwargs)

@@ -15,6 +15,9 @@ value (``arrive``, Note [Arrival] in engine/runtime.py).
 
 On CPU (no accelerator: the tests' machines) the host tier is a separate copy of the data, made
 synchronously; the same logic runs, without the overlap (a prefetch's copy is made on arrival).
+
+``HostCopies`` is how the runtime reaches these functions: the swapping half of its
+``Executor`` (engine/runtime.py), which the driver inherits.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 
 from dtr.eager.replay import clone_root
 
-__all__ = ["HostCopy", "swap_out", "swap_in", "prefetch", "arrive", "measure_bandwidth"]
+__all__ = ["HostCopies", "HostCopy", "swap_out", "swap_in", "prefetch", "arrive", "measure_bandwidth"]
 
+_no_python_dispatch = torch._C._DisableTorchDispatch
 _streams: Dict[torch.device, Any] = {}
 _bandwidth: Dict[str, float] = {}
 
@@ -49,6 +53,42 @@ class HostCopy:
         if self.pending is not None and self.event.query():
             self.pending = None
         return self.pending is None
+
+    def wait(self) -> None:
+        """Block until the copy out has finished."""
+        self.event.synchronize()
+        self.done()
+
+
+class HostCopies:
+    """The swapping half of the runtime's ``Executor`` (engine/runtime.py): handles are
+    ``HostCopy`` objects. The runtime swaps from inside an op's dispatch and from outside it
+    (a budget lowered between ops), so each copy runs with Python dispatch off: the copies'
+    own ops are no program's. Each method calls the module function of its name, looked up
+    when called (tests replace them)."""
+
+    swap_done = staticmethod(HostCopy.done)
+    swap_wait = staticmethod(HostCopy.wait)
+
+    @staticmethod
+    def swap_out(value: torch.Tensor) -> HostCopy:
+        with _no_python_dispatch():
+            return swap_out(value)
+
+    @staticmethod
+    def swap_in(handle: HostCopy) -> Tuple[torch.Tensor, float]:
+        with _no_python_dispatch():
+            return swap_in(handle)
+
+    @staticmethod
+    def prefetch(handle: HostCopy) -> Tuple[torch.Tensor, Any]:
+        with _no_python_dispatch():
+            return prefetch(handle)
+
+    @staticmethod
+    def arrive(pending: Any) -> None:
+        with _no_python_dispatch():
+            arrive(pending)
 
 
 def _side_stream(device: torch.device):
@@ -139,7 +179,7 @@ def measure_bandwidth(device: Optional[torch.device] = None, nbytes: int = 64 * 
     kind = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind in _bandwidth:
         return _bandwidth[kind]
-    with torch._C._DisableTorchDispatch():
+    with _no_python_dispatch():
         if kind == "cuda":
             src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

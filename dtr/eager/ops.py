@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["Kind", "OpFacts", "facts_for", "FACTS"]
+__all__ = ["Kind", "OpFacts", "facts_for", "FACTS", "program_returns", "written_argument"]
 
 aten = torch.ops.aten
 
@@ -150,6 +150,23 @@ _PLAIN_OUTPUTS = {
 # must keep the type of a plain tensor; larger ones (dropout masks) are managed as usual.
 _PLACEHOLDERS = {"aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided", "aten::empty_like"}
 
+
+def written_argument(key: Tuple[Optional[int], Optional[str]], args, kwargs):
+    """The program's own tensor for the written argument ``key`` (``(position, None)`` or
+    ``(None, keyword)``, as in ``OpFacts.written`` and ``OpFacts.returns``)."""
+    pos, name = key
+    return args[pos] if pos is not None else kwargs[name]
+
+
+def program_returns(facts: OpFacts, out, args, kwargs):
+    """``out`` as the program sees it: the returns of in-place and ``out=`` ops are the tensor
+    objects the program passed (``x.add_(y) is x``), never the kernel's."""
+    returns = facts.returns
+    if not any(rk == WRITTEN for rk, _, _ in returns):
+        return out
+    if len(returns) == 1:
+        return written_argument(returns[0][2], args, kwargs)
+    return tuple(written_argument(key, args, kwargs) if rk == WRITTEN else o for (rk, _, key), o in zip(returns, out))
 
 def _functional_twin(func, base: str):
     """The out-of-place overload of in-place view op ``func`` (``transpose_.default`` ->

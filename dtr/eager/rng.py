@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-__all__ = ["capture", "restored"]
+__all__ = ["capture", "restore", "restored"]
 
 
 def _device_of(args, kwargs) -> torch.device:
@@ -42,22 +42,30 @@ def capture(args, kwargs) -> Tuple[Any, Any, Optional[int]]:
     return ("cpu", None, torch.get_rng_state())
 
 
+def restore(state) -> None:
+    """Set the random state ``capture`` returned (the stream the program sees goes back to it:
+    an op that failed for lack of memory must not have advanced it)."""
+    kind, where, saved = state
+    if kind == "generator":
+        where.set_state(saved)
+    elif kind == "cuda":
+        torch.cuda.set_rng_state(saved, where)
+    else:
+        torch.set_rng_state(saved)
+
+
 @contextlib.contextmanager
 def restored(state):
     """Run the body with the captured random state; the program's state is untouched after."""
-    kind, where, saved = state
+    kind, where, _ = state
     if kind == "generator":
-        current = where.get_state()
-        where.set_state(saved)
+        current = (kind, where, where.get_state())
+        restore(state)
         try:
             yield
         finally:
-            where.set_state(current)
-    elif kind == "cuda":
-        with torch.random.fork_rng(devices=[where]):
-            torch.cuda.set_rng_state(saved, where)
-            yield
+            restore(current)
     else:
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(saved)
+        with torch.random.fork_rng(devices=[where] if kind == "cuda" else []):
+            restore(state)
             yield

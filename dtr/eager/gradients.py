@@ -1,0 +1,184 @@
+"""Gradients in a block: each parameter's ``.grad`` kept plain and charged, gradients summed in
+place as eager sums them, and the optimizer step, which changes the parameters that recorded
+ops read.
+
+- A parameter read in the block (a leaf that requires grad) gets a post-accumulate-grad hook
+  (``_hook``) the first time the driver sees it: its ``.grad`` made in the block is handed to
+  the program plain, since optimizers, clipping and DDP must see plain tensors, and its bytes
+  stay charged until the block ends (Note [Held gradients] in runtime.py).
+- ``aten.add.Tensor`` inside a backward pass may be autograd summing gradients; where nothing
+  else can see the accumulator it runs in place (Note [Accumulation in place] in
+  accumulation.py, which holds the tests it relies on).
+- ``optimizer.step()`` flushes all lineage first (recorded ops that read the parameters could
+  not be replayed afterwards) and its ops run untracked on the stepping thread, as do a
+  library's own gradient and parameter management (``untracked``; FSDP2).
+
+``Gradients`` is mixed into ``Driver``, whose ``rt``, ``_run`` and ``to_plain`` it uses;
+``Driver.dispatch`` keeps ``node`` and ``node_from`` up to date.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from dtr.eager import accumulation
+from dtr.eager.ops import FACTS, facts_for
+from dtr.eager.tensor import DTRTensor, make_wrapper
+from dtr.engine import State
+
+__all__ = ["Gradients"]
+
+_Tensor = torch.Tensor
+_EXTERNAL = State.EXTERNAL
+_RESIDENT = State.RESIDENT
+_no_python_dispatch = torch._C._DisableTorchDispatch
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class Gradients:
+    """The driver's gradient handling (module docstring)."""
+
+    def __init__(self) -> None:
+        self.hooks: Dict[int, Any] = {}  # id(leaf) -> post-accumulate-grad hook handle
+        self._plain_grad = self._on_grad_accumulated  # the hook, bound once (_hook)
+        self.suspended_thread: Optional[int] = None  # whose ops run untracked (optimizer.step())
+        # The autograd node running (backward), and the first storage id made while it runs:
+        # what was made before it is no temporary of its formula (``_in_place``).
+        self.node = None
+        self.node_from = 0
+
+    # ------------------------------------------------------------------ parameters' .grad
+
+    def _hook(self, leaf: torch.Tensor) -> None:
+        """Keep ``leaf.grad`` a plain tensor: optimizers and checkpoints must never see
+        engine-owned tensors (feasibility Q1). Views of leaves (``w.t()`` built in backward is a
+        leaf view that requires grad) never accumulate gradients and get no hook."""
+        # One bound method for every leaf: a closure per leaf was two more objects per
+        # parameter and block for the cyclic collector (docs/runtime.md).
+        self.hooks[id(leaf)] = leaf.register_post_accumulate_grad_hook(self._plain_grad)
+
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        g = param.grad
+        rt = self.rt
+        # A gradient with a graph (backward(create_graph=True)) stays the engine's: a plain copy
+        # would drop the graph a gradient penalty differentiates through.
+        if type(g) is DTRTensor and g._dtr.cell.storage.runtime is rt and not rt.closed and g.grad_fn is None:
+            plain = param.grad = self.to_plain(g, for_grad=True)
+            with rt.lock:  # Note [Held gradients] in runtime.py
+                rt.hold(id(param), plain.untyped_storage().nbytes())
+
+    def hold_gradient(self, key: torch.Tensor, grads: List[Optional[torch.Tensor]]) -> None:
+        """Charge ``grads`` (plain tensors, or DTensors counted by their local shard) under
+        ``key``'s identity in place of what it held (Note [Held gradients] in runtime.py): a
+        library that moves a gradient elsewhere (FSDP2 reducing it to its shard) says so here."""
+        nbytes = 0
+        for g in grads:
+            if g is not None:
+                local = g.to_local() if hasattr(g, "to_local") else g
+                # Its own bytes: FSDP2's sharded gradients are views into one flat buffer per
+                # parameter group, which would be charged once per parameter by storage.
+                nbytes += local.numel() * local.element_size()
+        rt = self.rt
+        if nbytes or id(key) in rt.held:
+            with rt.lock:
+                rt.hold(id(key), nbytes)
+
+    # ------------------------------------------------------------------ sums
+
+    def _summing(self, args) -> bool:
+        """Whether ``aten.add.Tensor(old, new)`` is autograd summing gradients into ``old``: a
+        backward pass, grad mode off, ``old`` a wrapper of this engine with ``new``'s shape,
+        dtype and device (Note [Accumulation in place] in accumulation.py)."""
+        old, new = args
+        if (
+            type(old) is not DTRTensor
+            or not isinstance(new, _Tensor)
+            or new is old
+            or torch.is_grad_enabled()
+            or _graph_task_id() == -1
+        ):
+            return False
+        rt = self.rt
+        ref = old._dtr
+        c = ref.cell
+        if c.storage.runtime is not rt:
+            return False
+        if c.storage.forward is not None:
+            ref.cell = rt.resolve(c)
+        return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+
+    def _in_place(self, old: DTRTensor, args) -> bool:
+        """Whether nothing but autograd's buffer can see a write to ``old``."""
+        s = old._dtr.cell.storage
+        if self.node is None or s.sid >= self.node_from:
+            # Made while this node runs: a temporary of its backward formula, which C++ may read
+            # again, not a gradient autograd's buffer holds (counts cannot tell them apart).
+            return False
+        if s.refs != 1 or s.state is _EXTERNAL or (s.uses and not s.recomputable):
+            # The last: a write would make what reads it permanent first (before_write).
+            return False
+        # The whole of its storage, densely (a weight's gradient often arrives transposed).
+        if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
+            return False
+        return accumulation.exclusive(args)
+
+    def _sum(self, facts, args) -> Any:
+        """``old + new`` for autograd: as ``old.add_(new)`` (a new wrapper over the new version
+        of ``old``'s storage) where nothing else can see the write, out of place otherwise;
+        made permanent when it is a parameter's gradient or extends a chain of sums."""
+        old = args[0]
+        rt = self.rt
+        chained = accumulation.summed(old._dtr.cell.storage)
+        if self._in_place(old, args):
+            self._run(FACTS.get(_ADD_) or facts_for(_ADD_), _ADD_, args, {})
+            ref = old._dtr
+            cell = ref.cell = rt.resolve(ref.cell)
+            out = make_wrapper(old, rt, cell)
+        else:
+            out = self._run(facts, _ADD, args, {})
+            if type(out) is not DTRTensor:
+                return out
+            cell = out._dtr.cell
+        if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
+            rt.make_permanent([cell], yielding=True)
+        return out
+
+    # ------------------------------------------------------------------ optimizer step
+
+    def begin_optimizer_step(self) -> None:
+        """Parameters are about to change: recorded ops that read them cannot be replayed.
+        Make live tensors resident and drop all lineage; run the step untracked."""
+        rt = self.rt
+        with rt.lock, _no_python_dispatch():
+            rt.drain()
+            rt.flush()
+        self.suspended_thread = threading.get_ident()
+
+    def end_optimizer_step(self) -> None:
+        self.suspended_thread = None
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Run the ops inside on plain values, unrecorded, on this thread: a library's own
+        management of parameters and gradients (FSDP2's gathers and reductions) is not
+        activations, and its buffers must stay plain tensors."""
+        before = self.suspended_thread
+        self.suspended_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.suspended_thread = before
+
+    def _close_gradients(self) -> None:
+        """The block's end: the hooks go, and nothing runs untracked any more."""
+        for h in self.hooks.values():
+            h.remove()
+        self.hooks.clear()
+        self.node = None
+        self.suspended_thread = None
