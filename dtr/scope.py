@@ -30,7 +30,7 @@ from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.host_copies import measure_bandwidth
-from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
+from dtr.engine import Counters, Heuristic, Runtime, Stats, make_heuristic
 from dtr.engine.events import Events, holdings
 from dtr.engine.host_tier import HostTier
 from dtr.errors import DTRError, OutOfBudgetError
@@ -110,9 +110,8 @@ class Engine:
         self._driver: Optional[Driver] = None
         self._mode: Optional[DTRMode] = None
         self._hooks: list = []
-        self._done = dict(ops=0, evictions=0, eager_evictions=0, rematerializations=0,
-                          remat_seconds=0.0, flushes=0, swaps_out=0, swaps_in=0, prefetches=0,
-                          swap_bytes_out=0, swap_bytes_in=0, swap_stall_seconds=0.0)
+        self._done = Counters()  # of the blocks that ended
+        self._ops = 0
         self._peak = 0
         self._constant_bytes = 0
         self._largest_output = 0  # carried from block to block (Note [Room before an op])
@@ -262,7 +261,8 @@ class Engine:
             )
 
     def _absorb(self, driver: Driver) -> None:
-        _add_counts(self._done, driver)
+        self._done.add(driver.rt.counters)
+        self._ops += driver.ops
         host = driver.rt.host
         if host is not None:
             self._swap_log = host.log
@@ -276,7 +276,8 @@ class Engine:
 
     def stats(self) -> Stats:
         """What this engine has done so far, summed over its blocks (see ``dtr.Stats``)."""
-        d = dict(self._done)
+        counts = Counters().add(self._done)
+        ops = self._ops
         peak, resident, constant = self._peak, 0, self._constant_bytes
         host_peak = self._host_peak
         gradients = self._gradient_bytes
@@ -285,7 +286,8 @@ class Engine:
             rt = driver.rt
             with rt.lock:
                 rt.drain()  # count tensors the program has dropped as gone
-                _add_counts(d, driver)
+                counts.add(rt.counters)
+                ops += driver.ops
                 peak = max(peak, rt.peak)
                 resident = rt.memory
                 if rt.host is not None:
@@ -299,7 +301,8 @@ class Engine:
             budget=self._budget,
             host_peak_bytes=host_peak,
             gradient_bytes=gradients,
-            **d,
+            ops=ops,
+            **counts.fields(),
         )
 
     def explain(self) -> Report:
@@ -379,22 +382,6 @@ def _cuda_allocated() -> Optional[int]:
         return None
     allocated = torch.cuda.memory_allocated()
     return allocated or None
-
-
-def _add_counts(totals: dict, driver: Driver) -> None:
-    c = driver.rt.counters
-    totals["ops"] += driver.ops
-    totals["evictions"] += c.evictions
-    totals["eager_evictions"] += c.eager_evictions
-    totals["rematerializations"] += c.rematerializations
-    totals["remat_seconds"] += c.remat_cost
-    totals["flushes"] += c.flushes
-    totals["swaps_out"] += c.swaps_out
-    totals["swaps_in"] += c.swaps_in
-    totals["prefetches"] += c.prefetches
-    totals["swap_bytes_out"] += c.swap_bytes_out
-    totals["swap_bytes_in"] += c.swap_bytes_in
-    totals["swap_stall_seconds"] += c.swap_stall
 
 
 def budget(

@@ -798,16 +798,16 @@ class Runtime:
             self._retire_old_versions(rec, wanted)
             c = self.counters
             c.rematerializations += 1
-            c.remat_cost += cost
+            c.remat_seconds += cost
             if self.events is not None:
                 self.events.replayed(rec, cost, brought)
             if (
                 self.max_recompute is not None
                 and c.rematerializations >= _THRASH_REPLAYS
-                and c.remat_cost > self.max_recompute * self.work
+                and c.remat_seconds > self.max_recompute * self.work
                 and self.budget is not None
             ):
-                raise ThrashingError(self.budget, rec.name, c.rematerializations, c.remat_cost / (self.work or 1e-12))
+                raise ThrashingError(self.budget, rec.name, c.rematerializations, c.remat_seconds / (self.work or 1e-12))
         if self.memory > self._high:
             self._high = self.memory
         if added and self.budget is not None and self.memory > self.budget:
@@ -1066,7 +1066,7 @@ class Runtime:
             c.prefetches += 1
         else:
             c.swaps_in += 1
-            c.swap_stall += waited
+            c.swap_stall_seconds += waited
             self.host.log.swap_ins.append((self.clock, s.sid, s.nbytes))
         if self.memory > self._high:
             self._high = self.memory
