@@ -32,11 +32,11 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from heapq import heapify, heappop, heappush
 from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from dtr.engine import collector
 from dtr.engine.candidates import CandidateIndex
+from dtr.engine.eviction import Rescoring
 from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import Cell, OpRecord, State, Storage
 from dtr.engine.host_tier import HostTier
@@ -104,8 +104,6 @@ def _noop(storage: Storage) -> None:
     pass
 
 
-_NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
-
 # Note [Thrashing]
 # ~~~~~~~~~~~~~~~~
 # Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
@@ -119,6 +117,7 @@ _NEVER = float("inf")  # the key of a candidate that can neither be evicted nor 
 # Raising there unwinds like any failure in a rematerialization (locks released, evictions
 # kept), and ``close`` lifts the budget, so nothing is left half done.
 _THRASH_REPLAYS = 1000
+_CLOSED = float("inf")  # the first storage id of a closed protection window (``protect_new``)
 _weak = weakref.ref
 _Weak = weakref.ReferenceType
 
@@ -252,7 +251,7 @@ class Runtime:
         self._refs: dict = {}  # id(Ref) -> Ref, for live wrappers
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
-        self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
+        self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
         self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
@@ -851,107 +850,37 @@ class Runtime:
     # ------------------------------------------------------------------ eviction
 
     def _evict_to(self, target: int, opname: str, best_effort: bool = False) -> None:
-        """Evict candidates (resident, unlocked, recomputable storages) with the lowest
-        score until ``memory <= target``: by (score, sid) when rescoring, within a relative
-        1e-5 of the lowest score with the candidate index (Note [Candidate index]). With
-        ``best_effort`` the caller catches the ``OutOfBudgetError`` (``reserve``), so no
-        observer snapshots the failure: under a tight budget that happens before most ops.
-
-        Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
-        only when nothing larger can go: evicting them frees next to nothing, and recomputing
-        one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
-        outright). Protected storages (``protect_new``, ``protect``) come before them, after
-        every other one.
-
-        With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
-        index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
-        plus a few ``key`` calls per eviction. Otherwise every candidate is scored once per
-        call into a heap, and a popped candidate is re-scored and re-inserted if its score grew
-        past the next one (sound because of the heuristic contract: evictions at a fixed clock
-        only raise other scores): O(n log n) for n resident storages, plus O(k log n) re-checks
-        for k evictions.
-        """
+        """Evict (or swap out) the next victim of a search until ``memory <= target``
+        (eviction.py). With ``best_effort`` the caller catches the ``OutOfBudgetError``
+        (``reserve``), so no observer snapshots the failure: under a tight budget that happens
+        before most ops."""
         if self.memory <= target:
             return
-        if self.host is None and self._keyed:
-            index = self._index
-            if index is None:
-                index = self._index = CandidateIndex(self.heuristic)
-            index.begin(self.resident, self.clock, self._small_below(), self._protected_from)
-            while self.memory > target:
-                s = index.pick()
-                if s is None:
-                    raise self._out_of_budget(target, opname, best_effort)
-                self._evict_for_budget(s)
-            return
-        now = self.clock
         host = self.host
-        score = self._score if host is None else self._swap_or_evict_key
-        small_below = self._small_below()
-        protected_from = self._protected_from
-        heap: list = []
-        small: list = []
-        protected: list = []
-        for s in self.resident:
-            if s.locks == 0:
-                rec = s.parent
-                if (rec is not None and rec.replayable) or host is not None:
-                    tier = (protected if s.protected or s.backward or s.sid >= protected_from
-                            else heap if s.nbytes >= small_below else small)
-                    tier.append((score(s, now), s.sid, s))
-        heapify(heap)
-        later = [small, protected]  # the last resorts, popped from the end
+        if host is None and self._keyed:
+            search = self._index
+            if search is None:
+                search = self._index = CandidateIndex(self.heuristic)
+        else:
+            search = Rescoring(self._score, host)
+        search.begin(self.resident, self.clock, self._small_below(), self._protected_from)
         while self.memory > target:
-            while True:
-                if not heap:
-                    if not later:
-                        if self._outgoing:  # copies out in flight: wait for one, then go on
-                            self._poll_outgoing(wait=True)
-                            if self.memory <= target:
-                                return
-                            continue
-                        raise self._out_of_budget(target, opname, best_effort)
-                    heap = later.pop()
-                    heapify(heap)
+            s = search.pick()
+            if s is None:
+                if self._outgoing:  # copies out in flight: wait for one
+                    self._poll_outgoing(wait=True)
                     continue
-                old, sid, s = heappop(heap)
-                if s.state is not RESIDENT or s.locks:
-                    continue
-                cur = score(s, now)
-                if cur == _NEVER:
-                    continue
-                if cur > old and heap and (cur, sid) > heap[0][:2]:
-                    heappush(heap, (cur, sid, s))
-                    continue
-                break
-            if host is not None and self._prefers_swap(s, now):
+                raise self._out_of_budget(target, opname, best_effort)
+            if host is not None and search.swaps(s):
                 self._swap_out(s)
             else:
                 self._evict_for_budget(s)
 
     def _small_below(self) -> float:
-        """The size under which a storage is a last-resort candidate: 1% of the mean resident
-        storage. O(1)."""
+        """The size under which a storage is in the SMALL tier (Note [Eviction tiers]): 1% of
+        the mean resident storage. O(1)."""
         n = len(self.resident)
         return (self.memory - self.held_bytes) / (100 * n) if n else 0.0
-
-    def _swap_or_evict_key(self, s: Storage, now: int) -> float:
-        """With a host tier: the lower of the heuristic's score (if ``s`` can be recomputed) and
-        the swap's, transfer time per byte and staleness (if the host has room); Note [Swap or
-        evict] in swap.py."""
-        return min(self._evict_key(s, now), self._swap_key(s, now))
-
-    def _evict_key(self, s: Storage, now: int) -> float:
-        return self._score(s, now) if s.recomputable else _NEVER
-
-    def _swap_key(self, s: Storage, now: int) -> float:
-        if not self.host.fits(s.nbytes):
-            return _NEVER
-        return self.host.swap_cost(s.nbytes) / ((s.nbytes or 1) * (now - s.last_access + 1))
-
-    def _prefers_swap(self, s: Storage, now: int) -> bool:
-        swap = self._swap_key(s, now)
-        return swap != _NEVER and swap < self._evict_key(s, now)
 
     def _settle(self) -> None:
         """After a failure, evict what the failed op had locked until back under the budget
@@ -1168,7 +1097,8 @@ class Runtime:
         borders, so h_DTR^eq's cost term is the same for all of them and the oldest go
         first: the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate
         gradients, all read by one ``stack`` at the end; a tree node's children's). So
-        they are a last resort for life (``Storage.backward``; the tier of ``protect``):
+        they are a last resort for life (``Storage.backward``: the BACKWARD tier, searched with
+        what ``protect`` keeps; Note [Eviction tiers] in eviction.py):
         evicted only when no activation of ordinary size can go. On the shipped traces this
         changes nothing for the feed-forward models and saves recurrent ones from thrashing
         (docs/heuristics.md).
@@ -1185,7 +1115,7 @@ class Runtime:
         plan's backward stage keeps what it makes (its input's gradient above all) until the
         stage ends, as the plan's accounting assumed. Each call with ``on`` starts a new
         protection window; ``on=False`` ends it."""
-        self._protected_from = self.next_sid if on else _NEVER
+        self._protected_from = self.next_sid if on else _CLOSED
 
     def protect(self, storages: Iterable[Storage]) -> None:
         """Make ``storages`` a last resort of eviction, as ``protect_new`` does for new ones,

@@ -132,8 +132,9 @@ class Storage:
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
-        self.protected = 0  # protections held (Runtime.protect): a last resort of eviction
-        # Made in a backward pass (Runtime.set_backward): a last resort of eviction for life.
+        # Protections held (Runtime.protect), and whether it was made in a backward pass
+        # (Runtime.set_backward): what its eviction tier depends on (eviction.tier).
+        self.protected = 0
         self.backward = False
 
     @property
