@@ -17,6 +17,7 @@ Note [Block lifecycle]
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -182,14 +183,14 @@ class Engine:
                     "state, inputs: on CUDA all it has allocated, elsewhere the tensors the "
                     "engine's last block read), more than the total limit.",
                 )
+        if self._swap:
+            host = HostTier(self._bandwidth or measure_bandwidth(), self._host_limit, self._swap_log)
+            runtime = functools.partial(runtime, host=host)
         driver = Driver(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
             largest_output=self._largest_output, total=self._total, outside=outside,
             constants_before=self._constants_counted, max_recompute=self._max_recompute,
         )
-        if self._swap:
-            bandwidth = self._bandwidth or measure_bandwidth()
-            driver.rt.host = HostTier(bandwidth, self._host_limit, self._swap_log)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,

@@ -103,7 +103,7 @@ def holdings(rt: Any) -> List[Holding]:
     out = [Holding(g, op, n, b) for (g, op), (n, b) in sums.items()]
     if rt.held_bytes:
         out.append(Holding("gradients", ".grad", len(rt.held), rt.held_bytes))
-    outgoing = rt._outgoing
+    outgoing = rt.host.outgoing if rt.host is not None else ()
     if outgoing:
         out.append(Holding("copies to host", "(swap out)", len(outgoing), sum(s.nbytes for s in outgoing)))
     out.sort(key=lambda h: -h.nbytes)

@@ -132,10 +132,6 @@ def _add_view(s: Storage, c: Cell) -> None:
         views[:] = [w for w in views if w() is not None]
 
 
-def _by_need(entry: Tuple[Storage, Tuple[int, int, int]]) -> Tuple[int, int, int]:
-    return entry[1]
-
-
 def _keyed(heuristic: Any) -> bool:
     """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
     its score from it (heuristics.py, Note [Keys])."""
@@ -200,6 +196,7 @@ class Runtime:
         executor: replays records (see ``Executor``).
         untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
             the caller must then ``close()`` the runtime.
+        host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
         max_recompute: raise ``ThrashingError`` once replays have cost more than this many
             times the block's own ops (Note [Thrashing]); None: never.
     """
@@ -212,6 +209,7 @@ class Runtime:
         *,
         untracked: bool = False,
         max_recompute: Optional[float] = None,
+        host: Optional[HostTier] = None,
     ) -> None:
         self.budget = budget
         self.max_recompute = max_recompute
@@ -253,11 +251,10 @@ class Runtime:
         self._sid = 0
         self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
-        self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
-        self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
-        # Prefetched storages whose copy may still be landing -> the executor's pending handle:
-        # every read of their values goes through ``arrive`` first (Note [Arrival]).
-        self.arriving: dict = {}
+        self.host = host
+        # The host tier's prefetches in flight (Note [Arrival]), here so that a read checks for
+        # them in one lookup; without a host tier, a dict that stays empty.
+        self.arriving: dict = host.arriving if host is not None else {}
         # Storages without lineage that give way to their dependents once dead (``_unreferenced``):
         # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
         self._yielding: "weakref.WeakSet[Storage]" = weakref.WeakSet()
@@ -270,6 +267,8 @@ class Runtime:
         # None unless someone watches, so that each costs one check.
         self.events: Optional[Any] = None
         self.on_op: Optional[Any] = None
+        if host is not None:
+            host.attach(self)
 
     @property
     def peak(self) -> int:
@@ -431,13 +430,7 @@ class Runtime:
         the end of the block. A storage whose values are dropped first (evicted, swapped out
         again, released) just leaves ``arriving``.
         """
-        arriving = self.arriving
-        for c in cells:
-            s = c.storage
-            pending = arriving.pop(s, None)
-            if pending is not None:
-                self.executor.arrive(pending)
-                self.host.log.read(s)  # the prefetch was needed: the next block repeats it
+        self.host.arrive(cells)  # type: ignore[union-attr]
 
     def before_write(self, storages: Iterable[Storage]) -> None:
         """Call before an op writes ``storages`` in place.
@@ -553,7 +546,7 @@ class Runtime:
             if self.host is not None:  # the clock moved, also for an op that failed here
                 self.host.log.costs.append(rec.cost)
         if self.host is not None:
-            self._after_op()
+            self.host.after_op()
         if self.on_op is not None:
             self.on_op(self)
         return outs  # type: ignore[return-value]
@@ -691,7 +684,7 @@ class Runtime:
                     stack.pop()
                     continue
                 if c.storage.state is SWAPPED and c is c.storage.root:
-                    self._swap_in(c.storage, prefetch=False)
+                    self.host.swap_in(c.storage, prefetch=False)  # type: ignore[union-attr]
                     stack.pop()
                     continue
                 rec = c.parent
@@ -867,12 +860,12 @@ class Runtime:
         while self.memory > target:
             s = search.pick()
             if s is None:
-                if self._outgoing:  # copies out in flight: wait for one
-                    self._poll_outgoing(wait=True)
+                if host is not None and host.outgoing:  # copies out in flight: wait for one
+                    host.poll_outgoing(wait=True)
                     continue
                 raise self._out_of_budget(target, opname, best_effort)
             if host is not None and search.swaps(s):
-                self._swap_out(s)
+                host.swap_out(s)
             else:
                 self._evict_for_budget(s)
 
@@ -907,9 +900,32 @@ class Runtime:
         self._drop_values(s)
         self._on_evict(s)
 
+    # The primitives the host tier changes the runtime's state with.
+
+    def _charge(self, nbytes: int) -> None:
+        self.memory += nbytes
+        if self.memory > self._high:
+            self._high = self.memory
+
+    def _uncharge(self, nbytes: int) -> None:
+        self.memory -= nbytes
+
+    def _load(self, s: Storage, value: Any) -> None:
+        """``s`` is back in memory with ``value`` (charged by the caller)."""
+        s.state = RESIDENT
+        self.resident[s] = None
+        s.value = value
+        s.last_access = self.clock
+
+    def _unload(self, s: Storage, state: State) -> None:
+        """``s`` leaves memory for ``state`` (uncharged by the caller)."""
+        del self.resident[s]
+        s.state = state
+        self._drop_values(s)
+
     def _drop_values(self, s: Storage) -> None:
         if self.arriving:
-            self.arriving.pop(s, None)  # never read: nothing waits for its copy
+            self.host.dropped(s)  # type: ignore[union-attr]
         s.value = None
         for w in s.views:
             c = w()
@@ -940,100 +956,6 @@ class Runtime:
             self.events.out_of_budget(error, self)
         return error
 
-    # ------------------------------------------------------------------ host tier
-
-    def _swap_out(self, s: Storage) -> None:
-        """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
-        pending = self.arriving.pop(s, None)
-        if pending is not None:  # prefetched, never read: its copy back lands before this copy out
-            self.executor.arrive(pending)
-        handle = self.executor.swap_out(s.value)
-        del self.resident[s]
-        s.state = SWAPPED
-        self._drop_values(s)
-        self.host.add(s, handle)
-        c = self.counters
-        c.swaps_out += 1
-        c.swap_bytes_out += s.nbytes
-        if self.executor.swap_done(handle):
-            self.memory -= s.nbytes
-        else:  # its memory is still read by the copy: charged until it is done
-            self._outgoing.append(s)
-
-    def _poll_outgoing(self, wait: bool = False) -> None:
-        """Stop charging swapped-out storages whose copy has finished (with ``wait``: the
-        oldest one at least, waiting for it)."""
-        done = []
-        for i, s in enumerate(self._outgoing):
-            handle = self.host.handles.get(s)
-            if handle is None or self.executor.swap_done(handle):
-                done.append(i)
-            elif wait and not done:
-                self.executor.swap_wait(handle)
-                done.append(i)
-        for i in reversed(done):
-            self.memory -= self._outgoing.pop(i).nbytes
-
-    def _swap_in(self, s: Storage, prefetch: bool) -> None:
-        if prefetch:
-            value, self.arriving[s] = self.executor.prefetch(self.host.handles[s])
-            waited = 0.0
-        else:
-            value, waited = self.executor.swap_in(self.host.handles[s])
-        if s in self._outgoing:  # back before its copy out was done: it was never freed
-            self._outgoing.remove(s)
-        else:
-            self.memory += s.nbytes
-        self.host.remove(s)
-        s.state = RESIDENT
-        self.resident[s] = None
-        s.value = value
-        s.last_access = self.clock
-        c = self.counters
-        c.swap_bytes_in += s.nbytes
-        if prefetch:
-            c.prefetches += 1
-        else:
-            c.swaps_in += 1
-            c.swap_stall_seconds += waited
-            self.host.log.swap_ins.append((self.clock, s.sid, s.nbytes))
-        if self.memory > self._high:
-            self._high = self.memory
-        if not prefetch and self.budget is not None and self.memory > self.budget:
-            s.locks += 1  # its reader has not locked it yet
-            try:
-                self._evict_to(self.budget, "swapping a tensor back in")
-            finally:
-                s.locks -= 1
-
-    def _leave_host(self, s: Storage) -> None:
-        if s in self._outgoing:
-            self._outgoing.remove(s)
-            self.memory -= s.nbytes
-        self.host.remove(s)
-
-    def _after_op(self) -> None:
-        """Prefetch what the previous block needed next, as soon as it fits without evicting
-        anything."""
-        host = self.host
-        if self._outgoing:
-            self._poll_outgoing()
-        due = host.due(self.clock)
-        if due:
-            host.waiting += due
-            host.waiting.sort(key=_by_need)
-        if host.waiting:
-            keep = []
-            for s, need in host.waiting:
-                if s.state is not SWAPPED:  # back already, or gone
-                    continue
-                if self.budget is not None and self.memory + s.nbytes > self.budget:
-                    keep.append((s, need))
-                    continue
-                self._swap_in(s, prefetch=True)
-                host.prefetched(s, need, self.clock)
-            host.waiting = keep
-
     # ------------------------------------------------------------------ release
 
     def _release(self, s: Storage) -> None:
@@ -1047,7 +969,7 @@ class Runtime:
                 del self.resident[s]
                 self.memory -= s.nbytes
             elif s.state is SWAPPED:
-                self._leave_host(s)
+                self.host.leave(s)  # type: ignore[union-attr]
             s.state = RELEASED
             self._leave_graph(s)
             rec = s.parent
@@ -1269,12 +1191,8 @@ class Runtime:
             self.budget = saved
             self.closed = True
             self._backward = False
-            # Values that outlive the block must be readable, also when it ended in an error.
-            for pending in self.arriving.values():
-                self.executor.arrive(pending)
-            self.arriving.clear()
             if self.host is not None:
-                self.host.log.seal()  # the log outlives the block: it drops its storages
+                self.host.land()
             if self._untrack is not None:
                 self._give_back()
         self._refs.clear()
@@ -1290,10 +1208,7 @@ class Runtime:
         self.held.clear()
         self.held_bytes = 0
         if self.host is not None:
-            self.host.handles.clear()
-            self.host.by_sid.clear()
-            self.host.bytes = 0
-            self._outgoing.clear()
+            self.host.clear()
 
     def _give_back(self) -> None:
         """Return the storages still in the graph and the containers of their records to the
@@ -1330,14 +1245,12 @@ class Runtime:
 
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring. O(graph); for tests."""
-        memory = sum(s.nbytes for s in self._outgoing) + self.held_bytes
+        memory = self.held_bytes + (sum(s.nbytes for s in self.host.outgoing) if self.host is not None else 0)
         assert self.held_bytes == sum(self.held.values()), "held bytes disagree with their keys"
         for s in self.resident:
             assert s.state is RESIDENT, f"{s} is in the resident set"
             memory += s.nbytes
         assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
-        for s in self.arriving:  # Note [Arrival]: only resident values can be in flight
-            assert s.state is RESIDENT and s.value is not None, f"{s} is arriving but not resident"
         for s in self._all:
             assert s.state is not RELEASED, f"{s} is released but still registered"
             assert s.locks == 0, f"{s} is still locked between ops"
@@ -1351,7 +1264,6 @@ class Runtime:
                     assert i.state is not RELEASED, f"{s} needs {i}, which was released"
             elif s.state is SWAPPED:
                 assert s.value is None, f"{s} is swapped but its root holds a value"
-                assert s in self.host.handles, f"{s} is swapped but the host tier has no copy of it"
             else:
                 assert s.value is not None, f"{s} is {s.state.name} but its root is undefined"
             if s.refs == 0 and s.uses == 0:
@@ -1377,10 +1289,7 @@ class Runtime:
         for s in self._all:
             assert s.uses == uses.get(s, 0), f"{s} counts {s.uses} uses, the graph has {uses.get(s, 0)}"
         if self.host is not None:
-            swapped = sum(s.nbytes for s in self._all if s.state is SWAPPED)
-            assert swapped == self.host.bytes, f"host tier counts {self.host.bytes} bytes, swapped storages {swapped}"
-            if self.host.limit is not None:
-                assert self.host.bytes <= self.host.limit, "host tier over its limit"
+            self.host.check(self._all)
         if self.budget is not None:
             assert self.memory <= self.budget, (
                 f"resident {self.memory} bytes exceed the budget {self.budget} between ops"

@@ -161,9 +161,8 @@ def simulate(
     peak = 0
     error = None
     for block in tr.blocks:
-        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute)
-        if swap:
-            rt.host = HostTier(bandwidth, host_bytes, log)
+        host = HostTier(bandwidth, host_bytes, log) if swap else None
+        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host)
         try:
             base += run_block(rt, block)
         except OutOfBudgetError as e:
