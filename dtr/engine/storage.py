@@ -48,6 +48,8 @@ from typing import Any, List, Optional, Sequence, Union
 
 __all__ = ["State", "Storage", "Cell", "OpRecord"]
 
+_weak = weakref.ref
+
 
 class State(enum.IntEnum):
     """Where a storage's data is."""
@@ -151,6 +153,15 @@ class Storage:
     def recomputable(self) -> bool:
         rec = self.parent
         return rec is not None and rec.replayable
+
+    def add_view(self, c: "Cell") -> None:
+        """Remember a defined view cell (weakly), so that eviction can undefine it."""
+        views = self.views
+        if not views:
+            views = self.views = []
+        views.append(_weak(c))  # the record's own weak reference to ``c``, if it has one
+        if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
+            views[:] = [w for w in views if w() is not None]
 
     def deps(self) -> Sequence["Storage"]:
         """Storages this one is computed from (excluding itself)."""
