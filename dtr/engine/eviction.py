@@ -21,27 +21,56 @@ Candidates are tried in tiers, and a storage's tier is ``tier`` (the only defini
 - ``ORDINARY`` first;
 - then the last resorts ``PROTECTED`` (a plan keeps it: ``Runtime.protect``, and storages made
   in the window of ``Runtime.protect_new``) and ``BACKWARD`` (made in a backward pass, for life:
-  Note [Gradients are a last resort] in runtime.py), searched together;
+  Note [Gradients are a last resort]), searched together;
 - ``SMALL`` last: storages under 1% of the mean resident size (``small_below``). Evicting one
   frees next to nothing, and recomputing one (a scalar loss, say) can take a long chain.
 
 A protection outranks size: a small protected storage is in ``PROTECTED``.
+
+Note [Gradients are a last resort]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What a backward pass makes is gradients, and their lineage runs through the gradients before
+them, which die as soon as they are consumed: recomputing one replays the backward pass down to
+it, and the forward ops that pass read, where recomputing an activation replays forward ops
+from the nearest resident ancestor. The heuristics cannot see the difference. In a backward
+pass the dead forward pass and the dead gradients form one evicted neighbourhood, which every
+candidate borders, so h_DTR^eq's cost term is the same for all of them and the oldest go first:
+the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate gradients, all
+read by one ``stack`` at the end; a tree node's children's). So what the program makes while
+``Runtime.set_backward(True)`` is BACKWARD for life (``Storage.backward``): evicted only when
+no storage of ordinary size can go. On the shipped traces this changes nothing for the
+feed-forward models and saves recurrent ones from thrashing (docs/heuristics.md). Forward ops
+that run inside a backward pass (``torch.utils.checkpoint`` recomputing a segment,
+``torch.autograd.grad`` called by a hook) are marked too; their results are read within the
+pass. It subsumes a plan's ``protect_new`` window over a stage's backward (Note [Seeding]):
+what the stage made stays a last resort after the window.
 """
 
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush
-from typing import Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
+from dtr.engine.heuristics import Heuristic
 from dtr.engine.storage import State, Storage
+from dtr.errors import OutOfBudgetError
 
-__all__ = ["BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "tier"]
+if TYPE_CHECKING:
+    from dtr.engine.runtime import Runtime
+
+__all__ = ["BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier"]
 
 RESIDENT = State.RESIDENT
 
 ORDINARY, PROTECTED, BACKWARD, SMALL = range(4)  # Note [Eviction tiers]
 
 NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
+
+
+def keyed(heuristic: Any) -> bool:
+    """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
+    its score from it (heuristics.py, Note [Keys])."""
+    return callable(getattr(heuristic, "key", None)) and type(heuristic).score is Heuristic.score
 
 
 def tier(s: Storage, small_below: float, protected_from: float) -> int:
@@ -128,3 +157,30 @@ class Rescoring:
         if not host.fits(s.nbytes):
             return NEVER
         return host.swap_cost(s.nbytes) / ((s.nbytes or 1) * (now - s.last_access + 1))
+
+
+def out_of_budget(rt: Runtime, target: int, opname: str, best_effort: bool = False) -> OutOfBudgetError:
+    """The error of a search that ran out of candidates before ``rt`` was down to ``target``,
+    saying what holds the memory. Told to ``rt.events`` unless ``best_effort`` (a caller that
+    catches it: no snapshot)."""
+    locked = unrecomputable = 0
+    for s in rt.resident:
+        if s.locks:
+            locked += s.nbytes
+        elif not s.recomputable:
+            unrecomputable += s.nbytes
+    needed = locked + unrecomputable + rt.held_bytes + rt.outside
+    detail = (
+        f"{locked} bytes are locked (inputs and outputs of the operations in flight), "
+        f"{unrecomputable} bytes cannot be recomputed (no replayable lineage) and "
+        f"{rt.held_bytes} bytes are gradients made in this block (charged until it ends)."
+    )
+    if rt.outside:
+        detail += (
+            f" Besides, {rt.outside} bytes outside the engine count against the total limit "
+            "(dtr.budget(total=True)): tensors from before the block."
+        )
+    error = OutOfBudgetError(needed, target + rt.outside, opname, detail)
+    if rt.events is not None and not best_effort:
+        rt.events.out_of_budget(error, rt)
+    return error

@@ -26,8 +26,19 @@ RELEASED = State.RELEASED
 SWAPPED = State.SWAPPED
 
 _Weak = weakref.ReferenceType
-# Replays before the thrashing check starts (Note [Thrashing] in runtime.py): early in a block
-# the work is small, and a few replays would pass any ratio.
+
+# Note [Thrashing]
+# ~~~~~~~~~~~~~~~~
+# Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
+# needs, and a step that takes a second eagerly runs for minutes or hours (a child-sum TreeLSTM
+# at half its peak ran for 50 minutes; a GRUCell loop at 0.3 took 17.7 minutes). The runtime
+# compares the cost of its replays with the cost of the block's own ops (``work``, the same
+# measure) and raises ``ThrashingError``, an ``OutOfBudgetError``, once the ratio passes
+# ``max_recompute`` (``dtr.budget``'s default: 10; the DTR paper's curves stay under 3x above
+# their knee). Not before ``_THRASH_REPLAYS`` replays: early in a block the work is small and a
+# few replays would pass any ratio. The check sits where ``_replay`` counts a replay, so it costs
+# nothing per op. Raising there unwinds like any failure in a rematerialization (locks
+# released, evictions kept), and ``close`` lifts the budget, so nothing is left half done.
 _THRASH_REPLAYS = 1000
 
 

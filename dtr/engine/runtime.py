@@ -32,67 +32,26 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from dtr.engine import collector
+from dtr.engine import collector, invariants, lineage
 from dtr.engine.candidates import CandidateIndex
-from dtr.engine.eviction import Rescoring
+from dtr.engine.eviction import Rescoring, keyed, out_of_budget
+from dtr.engine.executor import Executor
 from dtr.engine.heuristics import Heuristic
+from dtr.engine.lineage import release
+from dtr.engine.meter import PeakMeter
 from dtr.engine.rematerialize import materialize
-from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.storage import Cell, OpRecord, State, Storage, carry_views, translate
 from dtr.engine.host_tier import HostTier
 from dtr.engine.telemetry import Counters
 from dtr.errors import OutOfBudgetError
 
-__all__ = ["Executor", "PeakMeter", "Ref", "Runtime"]
+__all__ = ["Ref", "Runtime"]
 
 RESIDENT = State.RESIDENT
 EVICTED = State.EVICTED
-EXTERNAL = State.EXTERNAL
 RELEASED = State.RELEASED
-SWAPPED = State.SWAPPED
-
-
-class Executor(Protocol):
-    """What a driver gives the runtime so that it can recompute storages.
-
-    ``views_alias_data``: True when a view's value shares memory with its storage, so that an
-    in-place write to the storage is visible through the views' existing values (torch);
-    the runtime then keeps those values across the write instead of re-deriving them.
-    """
-
-    views_alias_data: bool
-
-    def replay(self, record: OpRecord) -> Tuple[Sequence[Any], float]:
-        """Run ``record`` again on the values of ``record.inputs`` (all defined).
-
-        Returns the output values, aligned with ``record.outputs``, and the cost of the replay
-        in seconds (measured or estimated).
-        """
-
-    def forget(self, record: OpRecord) -> None:
-        """``record`` will never be replayed again; drop what its payload holds."""
-
-    # Swapping (only with a host tier; engine/host_tier.py):
-
-    def swap_out(self, value: Any) -> Any:
-        """Start copying a storage (its root ``value``) to the host; returns a handle."""
-
-    def swap_done(self, handle: Any) -> bool:
-        """Whether the copy out has finished, so that the storage's memory is free."""
-
-    def swap_wait(self, handle: Any) -> None:
-        """Block until the copy out has finished."""
-
-    def swap_in(self, handle: Any) -> Tuple[Any, float]:
-        """The root value back from the host, and the seconds the caller waited for it."""
-
-    def prefetch(self, handle: Any) -> Tuple[Any, Any]:
-        """Start bringing the root value back from the host without waiting: the value, which
-        must not be read before ``arrive(pending)``, and ``pending``."""
-
-    def arrive(self, pending: Any) -> None:
-        """Make the value of a prefetch readable (its copy has landed before any later read)."""
 
 
 class Ref(weakref.ref):
@@ -105,62 +64,8 @@ def _noop(storage: Storage) -> None:
     pass
 
 
-# Note [Thrashing]
-# ~~~~~~~~~~~~~~~~
-# Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
-# needs, and a step that takes a second eagerly runs for minutes or hours (a child-sum TreeLSTM
-# at half its peak ran for 50 minutes; a GRUCell loop at 0.3 took 17.7 minutes). The runtime
-# compares the cost of its replays with the cost of the block's own ops (``work``, the same
-# measure) and raises ``ThrashingError``, an ``OutOfBudgetError``, once the ratio passes
-# ``max_recompute`` (``dtr.budget``'s default: 10; the DTR paper's curves stay under 3x above
-# their knee). Not before ``_THRASH_REPLAYS`` replays (rematerialize.py): early in a block the
-# work is small and a few replays would pass any ratio. The check sits where a replay is counted,
-# so it costs nothing per op.
-# Raising there unwinds like any failure in a rematerialization (locks released, evictions
-# kept), and ``close`` lifts the budget, so nothing is left half done.
 _CLOSED = float("inf")  # the first storage id of a closed protection window (``protect_new``)
 _weak = weakref.ref
-
-
-def _keyed(heuristic: Any) -> bool:
-    """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
-    its score from it (heuristics.py, Note [Keys])."""
-    return callable(getattr(heuristic, "key", None)) and type(heuristic).score is Heuristic.score
-
-
-# Note [Peak meters]
-# ~~~~~~~~~~~~~~~~~~
-# The places that charge bytes keep one high-water mark, ``_high``: the most bytes charged
-# since the latest meter started (or since the runtime did). Starting a meter folds ``_high``
-# into every open meter and into ``_earlier_peak``, then restarts it from the bytes charged
-# now; a peak (the runtime's, or an open meter's) is the larger of what was folded into it and
-# ``_high``. So an op pays one comparison whatever the number of meters open, starting a meter
-# costs O(open meters), and no meter can lower the runtime's peak: a stage that raises before
-# its meter stops leaves ``peak`` right.
-class PeakMeter:
-    """The most bytes charged to a runtime since ``Runtime.meter()`` made this meter (the
-    bytes charged then, at least); ``stop()`` freezes it. Meters may overlap and nest."""
-
-    __slots__ = ("_runtime", "_peak")
-
-    def __init__(self, runtime: "Runtime") -> None:
-        self._runtime: Optional[Runtime] = runtime
-        self._peak = runtime.memory
-
-    @property
-    def peak(self) -> int:
-        """The most bytes charged since the meter started, until it stopped."""
-        rt = self._runtime
-        return self._peak if rt is None or rt._high < self._peak else rt._high
-
-    def stop(self) -> int:
-        """Stop measuring (the runtime forgets this meter) and return ``peak``. Idempotent."""
-        rt = self._runtime
-        if rt is not None:
-            self._peak = self.peak
-            rt._meters.remove(self)
-            self._runtime = None
-        return self._peak
 
 
 class Runtime:
@@ -174,7 +79,7 @@ class Runtime:
             the caller must then ``close()`` the runtime.
         host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
         max_recompute: raise ``ThrashingError`` once replays have cost more than this many
-            times the block's own ops (Note [Thrashing]); None: never.
+            times the block's own ops (Note [Thrashing] in rematerialize.py); None: never.
     """
 
     def __init__(
@@ -195,13 +100,13 @@ class Runtime:
         self._on_evict = getattr(heuristic, "on_evict", _noop)
         self._on_materialize = getattr(heuristic, "on_materialize", _noop)
         self._on_release = getattr(heuristic, "on_release", _noop)
-        self._keyed = _keyed(heuristic)
+        self._keyed = keyed(heuristic)
         self._index: Optional[CandidateIndex] = None  # made by the first eviction round
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
         self.memory = 0  # charged bytes: resident storages, copies out in flight, ``held``
-        self._high = 0  # Note [Peak meters]
+        self._high = 0  # Note [Peak meters] in meter.py
         self._earlier_peak = 0
         self._meters: List[PeakMeter] = []
         # Note [Held gradients]
@@ -253,17 +158,8 @@ class Runtime:
 
     def meter(self) -> PeakMeter:
         """A ``PeakMeter`` of the bytes charged from now on, e.g. during one stage of a program
-        (Note [Peak meters]); ``stop()`` it when done. O(meters open)."""
-        high = self._high
-        for m in self._meters:
-            if high > m._peak:
-                m._peak = high
-        if high > self._earlier_peak:
-            self._earlier_peak = high
-        self._high = self.memory
-        m = PeakMeter(self)
-        self._meters.append(m)
-        return m
+        (Note [Peak meters] in meter.py); ``stop()`` it when done. O(meters open)."""
+        return PeakMeter(self)
 
     # ------------------------------------------------------------------ wrappers
 
@@ -305,7 +201,7 @@ class Runtime:
         if s.locks:
             return
         if s.uses == 0:
-            self._release(s)
+            release(self, s)
         elif s.state is RESIDENT and s.recomputable:
             # Eager eviction (paper C.5): the program is done with it, but a recorded op may
             # still need it, so keep the lineage and free the memory. Not when a tensor the
@@ -330,7 +226,7 @@ class Runtime:
             deps = list(s.dependents)
             if sum(t.nbytes for t in deps) <= s.nbytes and all(t.state is RESIDENT and not t.locks for t in deps):
                 for t in deps:
-                    self.cut(t)
+                    lineage.cut(self, t)
 
     # ------------------------------------------------------------------ versions
 
@@ -338,40 +234,9 @@ class Runtime:
         """The cell that now stands for ``cell``, following in-place versions (Note [Versions])."""
         while cell.storage.forward is not None:
             if cell.forward is None:
-                self._translate(cell)
+                translate(cell)
             cell = cell.forward  # type: ignore[assignment]
         return cell
-
-    def _translate(self, cell: Cell) -> None:
-        """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views."""
-        s2 = cell.storage.forward
-        chain = []
-        c = cell
-        while c.forward is None:  # the root's is the new version itself: the walk stops there
-            chain.append(c)
-            c = c.parent.inputs[0]
-        base = c.forward
-        for c in reversed(chain):
-            rec = c.parent
-            rec2 = rec.retarget([base])
-            rec2.outputs = [None] * len(rec.outputs)
-            c2 = Cell(s2, rec2, c.index, None)
-            rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
-            c.forward = c2
-            base = c2
-
-    def _carry_views(self, s: Storage) -> None:
-        """Before ``s`` becomes an old version, give its defined views counterparts on the new
-        version holding the same values (the data was changed in place, so they are current),
-        sparing a replay of each view when the program touches it next."""
-        s2 = s.forward
-        for w in s.views:
-            c = w()
-            if c is not None and c.value is not None and c.forward is None:
-                self._translate(c)
-                c2 = c.forward
-                c2.value = c.value
-                s2.add_view(c2)
 
     # ------------------------------------------------------------------ ops
 
@@ -408,58 +273,13 @@ class Runtime:
         """
         self.host.arrive(cells)  # type: ignore[union-attr]
 
-    def before_write(self, storages: Iterable[Storage]) -> None:
-        """Call before an op writes ``storages`` in place.
-
-        A recomputable storage simply becomes an evicted old version (Note [Versions]). One
-        with no lineage (cut, external, or made by a non-replayable op) could never be rebuilt
-        for the records that read it, so those records' outputs are made resident and
-        permanent first. Raises ``OutOfBudgetError`` (changing nothing) if they do not fit.
-        """
-        for s in storages:
-            if s.uses and not s.recomputable:
-                self.make_permanent([t.root for t in s.dependents])
-
-    def retire(self, storages: Iterable[Storage]) -> None:
-        """Call before memory that the parent ops of ``storages`` read, and the engine does not
-        own, is freed (FSDP2 freeing gathered parameters): those ops can never run again.
-
-        Every storage the program references whose rematerialization could replay one of them
-        is made resident and permanent first; one it does not reference passes the duty on to
-        its dependents. Unreferenced storages then lose their last uses and are released, so
-        no record that reads the freed memory stays alive. Cheaper than ``flush`` by what does
-        not depend on the freed memory, which keeps its lineage. Raises ``OutOfBudgetError``
-        (changing nothing) if the storages made permanent do not fit together.
-        """
-        retired = list(dict.fromkeys(s.parent for s in storages if s.parent is not None))
-        roots: List[Storage] = []
-        swapped: List[Storage] = []
-        seen = set()
-        # Every output of a retired op, not only those passed: none can be recomputed after.
-        stack = [o for rec in retired for o in rec.outputs if type(o) is Storage]
-        while stack:
-            s = stack.pop()
-            if s in seen or s.state is RELEASED:
-                continue
-            seen.add(s)
-            if s.refs > 0:
-                (swapped if s.state is SWAPPED else roots).append(s)
-            elif s.dependents:
-                stack.extend(s.dependents)
-        self.make_permanent(roots)
-        for s in swapped:  # its data is safe on the host: no need to bring it back
-            self.cut(s)
-        for rec in retired:  # whatever still lists it can never need it (see above)
-            rec.replayable = False
-        self._yielding.update(o for rec in retired for o in rec.outputs if type(o) is Storage)
-
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""
         for c in cells:
             s = c.storage
             s.locks -= 1
             if s.locks == 0 and s.refs == 0 and s.uses == 0 and s.state is not RELEASED:
-                self._release(s)
+                release(self, s)
 
     def complete(
         self,
@@ -494,7 +314,7 @@ class Runtime:
                 s2.protected, s.protected = s.protected, 0  # the same tensor for the program and a plan
                 s.forward = s2
                 if self._views_alias_data:
-                    self._carry_views(s)
+                    carry_views(s)
                 # The old version's bytes now belong to the new one: no memory is freed.
                 self._evict(s)
                 outs.append(s2)
@@ -580,36 +400,11 @@ class Runtime:
         if untrack is not None:
             untrack(rec, inputs, rec.outputs, ins)
 
-    # Note [Untracked records]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~
-    # A replayable record keeps four containers alive for as long as its outputs may be
-    # recomputed, often a whole forward pass: the record, its input and output lists, and the
-    # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
-    # its record's argument tuples). They outlive the collector's young generations, so every
-    # full collection visits them, and they bring those collections on: ~0.6 us per object per
-    # op amortized (docs/runtime.md). With ``untracked=True`` the runtime takes them out of the
-    # collector once wired (``collector``; a no-op without dtr_ext). Safe, because every cycle
-    # through them passes through the ``parent`` link of a storage the record made (an output
-    # lists its record, a dependents dict and a forward version lead to a record's output), and
-    # the runtime clears that link itself when it releases or cuts the storage (Note [Views held
-    # weakly]); for storages still in the graph at ``close``, their records' containers go back
-    # to the collector there. A runtime left open would never be collected, hence the flag: the
-    # driver always closes its runtime. A storage, which every record keeps too, is untracked
-    # only while it is in ``_all``: the runtime's dicts hold it there, so it is not garbage; it
-    # goes back to the collector as it leaves (release, an output dropped by ``_fit_outputs``)
-    # or at ``close``, so that a heuristic, a swap log or the program that still holds it may
-    # hold it in a cycle of their own, as before. Cells, wrappers and their ``Ref``s stay
-    # tracked: a ``Ref`` is a weakref with a callback, and when its wrapper dies in a garbage
-    # cycle the collector moves the ref onto its list of callbacks to call, which it can only do
-    # for a tracked object (an untracked one crashed the process: a training loop keeping a
-    # caught exception, whose traceback holds a wrapper, in a local; ``collector.untrack`` now
-    # refuses weakrefs).
-
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
         s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)
         if self._backward:
-            s.backward = True  # Note [Gradients are a last resort]
+            s.backward = True  # Note [Gradients are a last resort] in eviction.py
         self.resident[s] = None
         self._all[s] = None
         if self._untrack is not None:
@@ -653,7 +448,7 @@ class Runtime:
                 if host is not None and host.outgoing:  # copies out in flight: wait for one
                     host.poll_outgoing(wait=True)
                     continue
-                raise self._out_of_budget(target, opname, best_effort)
+                raise out_of_budget(self, target, opname, best_effort)
             if host is not None and search.swaps(s):
                 host.swap_out(s)
             else:
@@ -723,102 +518,38 @@ class Runtime:
                 c.value = None
         s.views = ()
 
-    def _out_of_budget(self, target: int, opname: str, best_effort: bool = False) -> OutOfBudgetError:
-        locked = unrecomputable = 0
-        for s in self.resident:
-            if s.locks:
-                locked += s.nbytes
-            elif not s.recomputable:
-                unrecomputable += s.nbytes
-        needed = locked + unrecomputable + self.held_bytes + self.outside
-        detail = (
-            f"{locked} bytes are locked (inputs and outputs of the operations in flight), "
-            f"{unrecomputable} bytes cannot be recomputed (no replayable lineage) and "
-            f"{self.held_bytes} bytes are gradients made in this block (charged until it ends)."
-        )
-        if self.outside:
-            detail += (
-                f" Besides, {self.outside} bytes outside the engine count against the total limit "
-                "(dtr.budget(total=True)): tensors from before the block."
-            )
-        error = OutOfBudgetError(needed, target + self.outside, opname, detail)
-        if self.events is not None and not best_effort:  # a caller that swallows it: no snapshot
-            self.events.out_of_budget(error, self)
-        return error
+    # ------------------------------------------------------------------ lineage (lineage.py)
 
-    # ------------------------------------------------------------------ release
+    def before_write(self, storages: Iterable[Storage]) -> None:
+        """Call before an op writes ``storages`` in place (``lineage.before_write``)."""
+        lineage.before_write(self, storages)
 
-    def _release(self, s: Storage) -> None:
-        """Drop ``s`` from the graph, then whatever only it kept alive (iteratively)."""
-        work = [s]
-        while work:
-            s = work.pop()
-            if s.state is RELEASED or s.refs or s.uses or s.locks:
-                continue
-            if s.state is RESIDENT:
-                del self.resident[s]
-                self.memory -= s.nbytes
-            elif s.state is SWAPPED:
-                self.host.leave(s)  # type: ignore[union-attr]
-            s.state = RELEASED
-            self._leave_graph(s)
-            rec = s.parent
-            try:
-                self._on_release(s)  # may read s.parent (h_DTR^eq lowers its inputs' keys)
-            finally:
-                # Its parent lists it as an output: break that cycle so that reference
-                # counting frees both now, not the cyclic collector later (views make none:
-                # Note [Views held weakly]), also if the heuristic raised: the record may be
-                # untracked (Note [Untracked records]), and ``s`` is no longer in the graph.
-                s.parent = None
-            self._drop_values(s)
-            s.views = ()
-            if rec is not None:
-                for i in rec.use_storages:
-                    if i.dependents:
-                        i.dependents.pop(s, None)
-                self._lose_output(rec, work)
+    def retire(self, storages: Iterable[Storage]) -> None:
+        """Call before memory that the parent ops of ``storages`` read, and the engine does not
+        own, is freed: those ops can never run again (``lineage.retire``)."""
+        lineage.retire(self, storages)
 
-    def _lose_output(self, rec: OpRecord, work: list) -> None:
-        """One of ``rec``'s output storages no longer names it as parent."""
-        rec.live -= 1
-        if rec.live:
-            return
-        for i in rec.use_storages:
-            i.uses -= 1
-            if i.uses == 0 and i.refs == 0 and not i.locks:
-                work.append(i)
-        rec.use_storages = ()
-        self.executor.forget(rec)
+    def flush(self) -> None:
+        """Make every storage the program still references resident, and cut its lineage
+        (``lineage.flush``)."""
+        lineage.flush(self)
+
+    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
+        """Make these storages resident together, then cut their lineage
+        (``lineage.make_permanent``)."""
+        lineage.make_permanent(self, roots, yielding)
+
+    def extract(self, cell: Cell) -> Any:
+        """Hand ``cell``'s storage to the program, resident and no longer charged; returns its
+        value (``lineage.extract``)."""
+        return lineage.extract(self, cell)
 
     # ------------------------------------------------------------------ last resorts
 
     def set_backward(self, on: bool) -> None:
         """Say whether the program's ops now run in a backward pass (the driver calls it when
         that changes): storages made while ``on`` are a last resort of eviction for as long
-        as they live.
-
-        Note [Gradients are a last resort]
-        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-        What a backward pass makes is gradients, and their lineage runs through the
-        gradients before them, which die as soon as they are consumed: recomputing one
-        replays the backward pass down to it, and the forward ops that pass read, where
-        recomputing an activation replays forward ops from the nearest resident ancestor.
-        The heuristics cannot see the difference. In a backward pass the dead forward pass
-        and the dead gradients form one evicted neighbourhood, which every candidate
-        borders, so h_DTR^eq's cost term is the same for all of them and the oldest go
-        first: the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate
-        gradients, all read by one ``stack`` at the end; a tree node's children's). So
-        they are a last resort for life (``Storage.backward``: the BACKWARD tier, searched with
-        what ``protect`` keeps; Note [Eviction tiers] in eviction.py):
-        evicted only when no activation of ordinary size can go. On the shipped traces this
-        changes nothing for the feed-forward models and saves recurrent ones from thrashing
-        (docs/heuristics.md).
-        Forward ops that run inside a backward pass (``torch.utils.checkpoint`` recomputing a
-        segment, ``torch.autograd.grad`` called by a hook) are marked too; their results are
-        read within the pass. It subsumes a plan's ``protect_new`` window over a stage's
-        backward (Note [Seeding]): what the stage made stays a last resort after the window.
-        """
+        as they live (Note [Gradients are a last resort] in eviction.py)."""
         self._backward = on
 
     def protect_new(self, on: bool) -> None:
@@ -856,65 +587,6 @@ class Runtime:
                 self._evict_for_budget(s)
                 freed += s.nbytes
         return freed
-
-    def cut(self, s: Storage) -> None:
-        """Make ``s`` permanent: drop its parent so its ancestors can be released."""
-        rec = s.parent
-        if rec is None:
-            return
-        s.parent = None
-        for i in rec.use_storages:
-            if i.dependents:
-                i.dependents.pop(s, None)
-        work: list = []
-        self._lose_output(rec, work)
-        for i in work:
-            self._release(i)
-
-    def flush(self) -> None:
-        """Make every storage the program still references resident, and cut its lineage.
-
-        Needed when recorded ops can no longer be replayed faithfully (parameters are about to
-        change) and at block exit. Raises ``OutOfBudgetError`` (with nothing cut) if they do
-        not fit in the budget together.
-        """
-        live = [s for s in self._all if s.refs > 0]
-        self.make_permanent([s.root for s in live if s.state is not SWAPPED])
-        for s in live:
-            if s.state is SWAPPED:  # its data is safe on the host: no need to bring it back
-                self.cut(s)
-        self.counters.flushes += 1
-
-    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
-        """Make these storages resident together, then cut their lineage (or raise
-        ``OutOfBudgetError`` with nothing cut). They stay charged and are never evicted
-        (swapped at most): for what recomputing would cost more than keeping, such as a sum
-        of gradients (Note [Accumulation in place] in dtr/eager/accumulation.py). With
-        ``yielding``, each gives way to its dependents once the program drops it
-        (``_unreferenced``)."""
-        self.acquire(roots)
-        try:
-            for c in roots:
-                self.cut(c.storage)
-                if yielding:
-                    self._yielding.add(c.storage)
-        finally:
-            self.unlock(roots)
-
-    def extract(self, cell: Cell) -> Any:
-        """Hand ``cell``'s storage to the program: make it resident, stop charging and
-        evicting it (state EXTERNAL), drop its lineage. Returns the cell's value."""
-        self.acquire([cell])
-        try:
-            s = cell.storage
-            if s.state is RESIDENT:
-                del self.resident[s]
-                self.memory -= s.nbytes
-                s.state = EXTERNAL
-                self.cut(s)
-            return cell.value
-        finally:
-            self.unlock([cell])
 
     def reserve(self, nbytes: int, opname: str) -> None:
         """Make room for ``nbytes`` of outputs an op is about to make (its inputs locked):
@@ -984,7 +656,7 @@ class Runtime:
             if self.host is not None:
                 self.host.land()
             if self._untrack is not None:
-                self._give_back()
+                collector.give_back(self._all)
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
@@ -999,18 +671,6 @@ class Runtime:
         self.held_bytes = 0
         if self.host is not None:
             self.host.clear()
-
-    def _give_back(self) -> None:
-        """Return the storages still in the graph and the containers of their records to the
-        cyclic collector (Note [Untracked records])."""
-        track = collector.track
-        for s in self._all:
-            track(s)
-            rec = s.parent
-            if rec is not None:
-                track(rec, rec.inputs, rec.outputs, rec.use_storages)
-            if s.dependents:
-                track(s.dependents)
 
     # ------------------------------------------------------------------ introspection
 
@@ -1034,58 +694,6 @@ class Runtime:
         return made
 
     def check_invariants(self) -> None:
-        """Assert the invariants of the module docstring. O(graph); for tests."""
-        memory = self.held_bytes + (sum(s.nbytes for s in self.host.outgoing) if self.host is not None else 0)
-        assert self.held_bytes == sum(self.held.values()), "held bytes disagree with their keys"
-        for s in self.resident:
-            assert s.state is RESIDENT, f"{s} is in the resident set"
-            memory += s.nbytes
-        assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
-        for s in self._all:
-            assert s.state is not RELEASED, f"{s} is released but still registered"
-            assert s.locks == 0, f"{s} is still locked between ops"
-            assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
-            assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
-            if s.state is EVICTED:
-                assert s.value is None, f"{s} is evicted but its root holds a value"
-                rec = s.parent
-                assert rec is not None and rec.replayable, f"{s} is evicted but cannot be recomputed"
-                for i in rec.use_storages:
-                    assert i.state is not RELEASED, f"{s} needs {i}, which was released"
-            elif s.state is SWAPPED:
-                assert s.value is None, f"{s} is swapped but its root holds a value"
-            else:
-                assert s.value is not None, f"{s} is {s.state.name} but its root is undefined"
-            if s.refs == 0 and s.uses == 0:
-                raise AssertionError(f"{s} is unreferenced and unused but was not released")
-            if s.state is EVICTED or s.state is SWAPPED:  # Invariant 5 (handed-out ones keep theirs)
-                for w in s.views:
-                    c = w()
-                    assert c is None or c.value is None, f"a view of {s} is defined"
-            rec = s.parent
-            if rec is not None:
-                assert rec.live > 0, f"{rec} is the parent of {s} but counts no live output"
-                for i in rec.use_storages:
-                    assert i.dependents and s in i.dependents, f"{s} is missing from the dependents of {i}"
-        counted: dict = {}
-        for s in self._all:
-            rec = s.parent
-            if rec is not None and id(rec) not in counted:
-                counted[id(rec)] = rec
-        uses: dict = {}
-        for rec in counted.values():
-            for i in rec.use_storages:
-                uses[i] = uses.get(i, 0) + 1
-        for s in self._all:
-            assert s.uses == uses.get(s, 0), f"{s} counts {s.uses} uses, the graph has {uses.get(s, 0)}"
-        if self.host is not None:
-            self.host.check(self._all)
-        if self.budget is not None:
-            assert self.memory <= self.budget, (
-                f"resident {self.memory} bytes exceed the budget {self.budget} between ops"
-            )
-        if self._index is not None:
-            self._index.check(self.resident)
-        check = getattr(self.heuristic, "check_invariants", None)
-        if check is not None:
-            check(self)
+        """Assert the invariants of the module docstring (``invariants.check``). O(graph); for
+        tests."""
+        invariants.check(self)

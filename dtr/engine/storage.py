@@ -46,7 +46,7 @@ import enum
 import weakref
 from typing import Any, List, Optional, Sequence, Union
 
-__all__ = ["State", "Storage", "Cell", "OpRecord"]
+__all__ = ["State", "Storage", "Cell", "OpRecord", "carry_views", "translate"]
 
 _weak = weakref.ref
 
@@ -245,3 +245,37 @@ class OpRecord:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, {len(self.inputs)} in, {len(self.outputs)} out)"
+
+
+def translate(cell: Union[Storage, Cell]) -> None:
+    """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views
+    (Note [Versions])."""
+    s2 = cell.storage.forward
+    chain = []
+    c = cell
+    while c.forward is None:  # the root's is the new version itself: the walk stops there
+        chain.append(c)
+        c = c.parent.inputs[0]
+    base = c.forward
+    for c in reversed(chain):
+        rec = c.parent
+        rec2 = rec.retarget([base])
+        rec2.outputs = [None] * len(rec.outputs)
+        c2 = Cell(s2, rec2, c.index, None)
+        rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
+        c.forward = c2
+        base = c2
+
+
+def carry_views(s: Storage) -> None:
+    """Before ``s`` becomes an old version, give its defined views counterparts on the new
+    version holding the same values (the data was changed in place, so they are current),
+    sparing a replay of each view when the program touches it next."""
+    s2 = s.forward
+    for w in s.views:
+        c = w()
+        if c is not None and c.value is not None and c.forward is None:
+            translate(c)
+            c2 = c.forward
+            c2.value = c.value
+            s2.add_view(c2)
