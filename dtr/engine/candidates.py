@@ -32,8 +32,8 @@ examination, and an unexamined row is skipped once its bound is no lower than th
 score less that margin, which is far above float32's rounding (slack is rounded up too). Among
 candidates that close (ties above all: LRU's clock, equal sizes for "size"), the lowest storage
 id among those examined wins; requiring the lowest id of *all* tied candidates would examine
-every one of them, which made "size" take milliseconds per eviction on models whose
-activations share a shape. A brute-force scan therefore agrees on the score, not always on the
+every one of them: milliseconds per eviction for "size" on models whose activations share a
+shape. A brute-force scan therefore agrees on the score, not always on the
 storage. Within a round (fixed clock) an examined score only rises as others are evicted (the
 scoring contract), so the heap's entries stay lower bounds and its top is re-scored before it
 wins a later pick.

@@ -58,7 +58,9 @@ from dtr.errors import OutOfBudgetError
 if TYPE_CHECKING:
     from dtr.engine.runtime import Runtime
 
-__all__ = ["BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier"]
+__all__ = [
+    "BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier",
+]
 
 RESIDENT = State.RESIDENT
 
@@ -101,7 +103,9 @@ class Rescoring:
         self._heap: list = []
         self._later: list = []  # the last resorts' heaps, popped from the end
 
-    def begin(self, resident: Dict[Storage, None], now: int, small_below: float, protected_from: float) -> None:
+    def begin(
+        self, resident: Dict[Storage, None], now: int, small_below: float, protected_from: float
+    ) -> None:
         self._now = now
         key, host = self._key, self._host
         heap: list = []

@@ -10,10 +10,10 @@ staleness, if the host tier has room. That is the copy back, which the program m
 the copy out runs beside compute on an accelerator (the simulator counts swaps the same way),
 and charging it too would evict tensors whose copy back costs less than their recomputation
 (docs/runtime.md, "Swapping"). Each candidate takes the cheaper of the two, and the cheapest
-candidate goes first. Storages the engine cannot recompute (outputs of ops with side effects,
-storages whose lineage was cut) can only be swapped. The comparison is exact for scores
-of the form cost / (bytes * staleness) (h_DTR, h_DTR^eq, h_DTR-local, MSPS); other heuristics'
-scores are compared as they are.
+candidate goes first (the keys are ``eviction.Rescoring``'s). Storages the engine cannot
+recompute (outputs of ops with side effects, storages whose lineage was cut) can only be
+swapped. The comparison is exact for scores of the form cost / (bytes * staleness) (h_DTR,
+h_DTR^eq, h_DTR-local, MSPS); other heuristics' scores are compared as they are.
 
 A swapped storage comes back on access (a synchronous swap-in, counted as a stall), or earlier:
 each block logs when it had to swap in which storage (by storage id, which the same program
@@ -26,8 +26,8 @@ that comes too late to be covered by the ops left before its need costs the unco
 the transfer (``late_seconds``, an estimate from the previous block's op costs, which the
 simulator counts as a stall). A prefetched storage that the block then reads is logged too, at
 the clock it was needed: a block whose prefetches all arrived in time swaps nothing in
-synchronously, and the one after it must still know what to prefetch. One it never reads is not logged, so a
-prefetch the program stopped needing is not repeated.
+synchronously, and the one after it must still know what to prefetch. One it never reads is
+not logged, so a prefetch the program stopped needing is not repeated.
 """
 
 from __future__ import annotations

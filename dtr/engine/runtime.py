@@ -561,10 +561,10 @@ class Runtime:
         self._protected_from = self.next_sid if on else _CLOSED
 
     def protect(self, storages: Iterable[Storage]) -> None:
-        """Make ``storages`` a last resort of eviction, as ``protect_new`` does for new ones,
-        until ``unprotect``: what a plan holds that the heuristic should leave alone if it can
-        (checkpoints, a whole stage's tape: pinning them made budgets infeasible). Protections
-        nest, and follow a storage to its newest version (Note [Versions])."""
+        """Make ``storages`` PROTECTED (Note [Eviction tiers]), as ``protect_new`` does for new
+        ones, until ``unprotect``: what a plan holds that the heuristic should leave alone if it
+        can (checkpoints, a whole stage's tape; pinning them would make budgets infeasible).
+        Protections nest, and follow a storage to its newest version (Note [Versions])."""
         for s in storages:
             while s.forward is not None:
                 s = s.forward

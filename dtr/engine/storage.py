@@ -4,8 +4,8 @@ Note [Three levels]
 ~~~~~~~~~~~~~~~~~~~
 - A ``Storage`` is one allocation: the unit of accounting, eviction, locking and reference
   counting. It is also its own *root* cell (``s.root is s``): the tensor its parent op
-  computed. (A separate root object was one more object per op for the cyclic collector to
-  visit, and one more cycle to break.)
+  computed. (A separate root object would be one more object per op for the cyclic collector
+  to visit, and one more cycle to break.)
 - A *cell* is one tensor over a storage: the root, or a ``Cell``, a view derived from another
   cell of the same storage by a view op. Both have ``storage``, ``parent``, ``index``,
   ``value`` and ``forward``. A cell is *defined* when its ``value`` is set. Evicting a
@@ -30,9 +30,9 @@ Note [Views held weakly]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A view cell names its record as parent, and the record lists its outputs: a reference cycle
 per view, which reference counting never frees. Views come and go with the program (autograd
-takes ``y.t()`` in every matmul backward), and the cyclic collector reclaiming them cost as
-much as the rest of the engine (measured: ~20 us per op in a 1,000-layer forward + backward
-with torch's usual heap, mostly full collections over every object of the process). So a
+takes ``y.t()`` in every matmul backward), and the cyclic collector reclaiming them costs as
+much as the rest of the engine (~20 us per op in a 1,000-layer forward + backward with
+torch's usual heap, mostly full collections over every object of the process). So a
 record holds its view outputs through weak references: a view cell lives while the program
 holds it, or a view derived from it, and dies with its last wrapper. A root cell's cycle
 (storage, root, record) is broken when the storage is released.
