@@ -61,11 +61,10 @@ from typing import Dict, Iterable, List, Optional
 import numpy as np
 
 from dtr.engine.eviction import BACKWARD, ORDINARY, PROTECTED, SMALL, tier
-from dtr.engine.storage import State, Storage
+from dtr.engine.storage import RESIDENT, Storage
 
 __all__ = ["CandidateIndex"]
 
-RESIDENT = State.RESIDENT
 _INF = float("inf")
 _F32_MAX = float(np.finfo(np.float32).max)
 # Relative margin between a float32 bound and an exact float64 score: float32 rounds to 2^-24

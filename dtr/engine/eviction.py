@@ -52,7 +52,7 @@ from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from dtr.engine.heuristics import Heuristic
-from dtr.engine.storage import State, Storage
+from dtr.engine.storage import RESIDENT, Storage
 from dtr.errors import OutOfBudgetError
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ __all__ = [
     "BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier",
 ]
 
-RESIDENT = State.RESIDENT
 
 ORDINARY, PROTECTED, BACKWARD, SMALL = range(4)  # Note [Eviction tiers]
 

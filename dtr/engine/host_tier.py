@@ -34,12 +34,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from dtr.engine.storage import State
+from dtr.engine.storage import RESIDENT, SWAPPED
 
 __all__ = ["HostTier", "SwapLog"]
 
-RESIDENT = State.RESIDENT
-SWAPPED = State.SWAPPED
 
 Need = Tuple[int, int, int]  # (clock at which it was needed, storage id, bytes)
 

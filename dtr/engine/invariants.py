@@ -6,17 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtr.engine.storage import State
+from dtr.engine.storage import EVICTED, RELEASED, RESIDENT, SWAPPED
 
 if TYPE_CHECKING:
     from dtr.engine.runtime import Runtime
 
 __all__ = ["check"]
-
-RESIDENT = State.RESIDENT
-EVICTED = State.EVICTED
-RELEASED = State.RELEASED
-SWAPPED = State.SWAPPED
 
 
 def check(rt: Runtime) -> None:

@@ -14,17 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, List
 
-from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.storage import EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
 
 if TYPE_CHECKING:
     from dtr.engine.runtime import Runtime
 
 __all__ = ["before_write", "cut", "extract", "flush", "make_permanent", "release", "retire"]
-
-RESIDENT = State.RESIDENT
-EXTERNAL = State.EXTERNAL
-RELEASED = State.RELEASED
-SWAPPED = State.SWAPPED
 
 
 def release(rt: Runtime, s: Storage) -> None:

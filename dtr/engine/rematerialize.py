@@ -11,7 +11,9 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, List
 
-from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.storage import (
+    EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage,
+)
 from dtr.errors import ThrashingError
 
 if TYPE_CHECKING:
@@ -19,11 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["materialize"]
 
-RESIDENT = State.RESIDENT
-EVICTED = State.EVICTED
-EXTERNAL = State.EXTERNAL
-RELEASED = State.RELEASED
-SWAPPED = State.SWAPPED
 
 _Weak = weakref.ReferenceType
 

@@ -42,16 +42,14 @@ from dtr.engine.heuristics import Heuristic
 from dtr.engine.lineage import release
 from dtr.engine.meter import PeakMeter
 from dtr.engine.rematerialize import materialize
-from dtr.engine.storage import Cell, OpRecord, State, Storage, carry_views, translate
+from dtr.engine.storage import (
+    EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
+)
 from dtr.engine.host_tier import HostTier
 from dtr.engine.telemetry import Counters
 from dtr.errors import OutOfBudgetError
 
 __all__ = ["Ref", "Runtime"]
-
-RESIDENT = State.RESIDENT
-EVICTED = State.EVICTED
-RELEASED = State.RELEASED
 
 
 class Ref(weakref.ref):

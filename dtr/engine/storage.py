@@ -68,6 +68,14 @@ class State(enum.IntEnum):
     budget, brought back on access (engine/host_tier.py)."""
 
 
+# The states under their own names, for the engine's modules that test them in loops.
+RESIDENT = State.RESIDENT
+EVICTED = State.EVICTED
+EXTERNAL = State.EXTERNAL
+RELEASED = State.RELEASED
+SWAPPED = State.SWAPPED
+
+
 class Storage:
     """One allocation tracked by the runtime.
 
@@ -113,7 +121,7 @@ class Storage:
         self.runtime = runtime
         self.sid = sid
         self.nbytes = nbytes
-        self.state = State.RESIDENT
+        self.state = RESIDENT
         self.locks = 0
         self.refs = 0
         self.uses = 0
