@@ -25,7 +25,8 @@ Candidates are tried in tiers, and a storage's tier is ``tier`` (the only defini
 - ``SMALL`` last: storages under 1% of the mean resident size (``small_below``). Evicting one
   frees next to nothing, and recomputing one (a scalar loss, say) can take a long chain.
 
-A protection outranks size: a small protected storage is in ``PROTECTED``.
+Protection and being made in a backward pass outrank size: a small protected storage is
+``PROTECTED``, not ``SMALL``.
 
 Note [Gradients are a last resort]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,14 +59,12 @@ from dtr.errors import OutOfBudgetError
 if TYPE_CHECKING:
     from dtr.engine.runtime import Runtime
 
-__all__ = [
-    "BACKWARD", "NEVER", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier",
-]
+__all__ = ["BACKWARD", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier"]
 
 
 ORDINARY, PROTECTED, BACKWARD, SMALL = range(4)  # Note [Eviction tiers]
 
-NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
+_NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
 
 
 def keyed(heuristic: Any) -> bool:
@@ -135,7 +134,7 @@ class Rescoring:
             if s.state is not RESIDENT or s.locks:
                 continue
             cur = key(s, now)
-            if cur == NEVER:
+            if cur == _NEVER:
                 continue
             if cur > old and heap and (cur, sid) > heap[0][:2]:
                 heappush(heap, (cur, sid, s))
@@ -145,7 +144,7 @@ class Rescoring:
     def swaps(self, s: Storage) -> bool:
         """Whether the victim ``s`` is cheaper to swap out than to evict (with a host tier)."""
         swap = self._swap_key(s, self._now)
-        return swap != NEVER and swap < self._evict_key(s, self._now)
+        return swap != _NEVER and swap < self._evict_key(s, self._now)
 
     def _swap_or_evict_key(self, s: Storage, now: int) -> float:
         """The lower of the heuristic's score (if ``s`` can be recomputed) and the swap's,
@@ -153,12 +152,12 @@ class Rescoring:
         return min(self._evict_key(s, now), self._swap_key(s, now))
 
     def _evict_key(self, s: Storage, now: int) -> float:
-        return self._score(s, now) if s.recomputable else NEVER
+        return self._score(s, now) if s.recomputable else _NEVER
 
     def _swap_key(self, s: Storage, now: int) -> float:
         host = self._host
         if not host.fits(s.nbytes):
-            return NEVER
+            return _NEVER
         return host.swap_cost(s.nbytes) / ((s.nbytes or 1) * (now - s.last_access + 1))
 
 

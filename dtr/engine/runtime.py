@@ -1,4 +1,10 @@
-"""The DTR runtime: memory accounting, eviction, rematerialization, lineage release.
+"""The DTR runtime: the state machine a driver calls, and the state it keeps (storages, locks,
+references, charged bytes, the clock).
+
+The work it delegates lives in modules of its own, as functions of the runtime or objects it
+owns: which storage to evict (eviction.py, candidates.py), rematerialization
+(rematerialize.py), lineage release (lineage.py), the host tier (host_tier.py), peak meters
+(meter.py), and the invariant checks (invariants.py).
 
 A driver calls, under ``runtime.lock``:
 
@@ -75,9 +81,9 @@ class Runtime:
         executor: replays records (see ``Executor``).
         untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
             the caller must then ``close()`` the runtime.
-        host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
         max_recompute: raise ``ThrashingError`` once replays have cost more than this many
             times the block's own ops (Note [Thrashing] in rematerialize.py); None: never.
+        host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
     """
 
     def __init__(
