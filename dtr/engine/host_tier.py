@@ -128,8 +128,9 @@ class HostTier:
         self.late_seconds = 0.0  # estimated transfer time prefetches left uncovered
         # Swapped out, and still charged until their copy is done (its memory is still read).
         self.outgoing: List[Any] = []
-        # Prefetched storages whose copy may still be landing -> the executor's pending handle:
-        # every read of their values goes through ``arrive`` first (Note [Arrival] in runtime.py).
+        # Prefetched storages whose copy may still be landing -> the executor's pending handle.
+        # The runtime reads it as ``Runtime.arriving``: every read of their values lands them
+        # first (``Runtime.arrive``, Note [Arrival] in runtime.py), and values it drops leave.
         self.arriving: Dict[Any, Any] = {}
         self._rt: Any = None
         self._executor: Any = None
@@ -187,7 +188,7 @@ class HostTier:
 
     def swap_in(self, s: Any, prefetch: bool) -> None:
         """Bring the swapped ``s`` back: synchronously (the program waits; evicts to the
-        budget), or as a prefetch whose copy lands before its first read (``arrive``)."""
+        budget), or as a prefetch whose copy lands before its first read (``Runtime.arrive``)."""
         rt, ex = self._rt, self._executor
         if prefetch:
             value, self.arriving[s] = ex.prefetch(self.handles[s])
@@ -214,21 +215,6 @@ class HostTier:
                 rt._evict_to(rt.budget, "swapping a tensor back in")
             finally:
                 s.locks -= 1
-
-    def arrive(self, cells: Iterable[Any]) -> None:
-        """``Runtime.arrive``: land the prefetches of ``cells``' storages (Note [Arrival])."""
-        arriving = self.arriving
-        for c in cells:
-            s = c.storage
-            pending = arriving.pop(s, None)
-            if pending is not None:
-                self._executor.arrive(pending)
-                self.log.read(s)  # the prefetch was needed: the next block repeats it
-
-    def dropped(self, s: Any) -> None:
-        """``s``'s values were dropped (evicted, swapped out, released): a prefetch of it that
-        was never read needs no landing."""
-        self.arriving.pop(s, None)
 
     def leave(self, s: Any) -> None:
         """The swapped ``s`` left the graph: forget its copy."""

@@ -138,7 +138,8 @@ class Runtime:
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         self.host = host
         # The host tier's prefetches in flight (Note [Arrival]), here so that a read checks for
-        # them in one lookup; without a host tier, a dict that stays empty.
+        # them in one lookup and lands or drops them with no call into the tier; without a
+        # host tier, a dict that stays empty.
         self.arriving: dict = host.arriving if host is not None else {}
         # Storages without lineage that give way to their dependents once dead (``_unreferenced``):
         # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
@@ -275,7 +276,13 @@ class Runtime:
         the end of the block. A storage whose values are dropped first (evicted, swapped out
         again, released) just leaves ``arriving``.
         """
-        self.host.arrive(cells)  # type: ignore[union-attr]
+        arriving = self.arriving
+        for c in cells:
+            s = c.storage
+            pending = arriving.pop(s, None)
+            if pending is not None:
+                self.executor.arrive(pending)
+                self.host.log.read(s)  # the prefetch was needed: the next block repeats it
 
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""
@@ -514,7 +521,7 @@ class Runtime:
 
     def _drop_values(self, s: Storage) -> None:
         if self.arriving:
-            self.host.dropped(s)  # type: ignore[union-attr]
+            self.arriving.pop(s, None)  # never read: nothing waits for its copy
         s.value = None
         for w in s.views:
             c = w()
