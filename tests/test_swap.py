@@ -260,7 +260,8 @@ def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
 def test_the_swap_log_times_every_op_also_one_that_failed():
     # The prefetch schedule reads op costs by clock: an op that raised OutOfBudgetError still
     # moved the clock, and its cost must be logged, or every later prefetch is timed one op off.
-    rt = Runtime(100, make_heuristic("dtr_eq"), SimExecutor(), host=HostTier(1e3, 0))  # no host room: b cannot push a out
+    host = HostTier(1e3, 0)  # no host room: b cannot push a out
+    rt = Runtime(100, make_heuristic("dtr_eq"), SimExecutor(), host=host)
     keep, failed = [], []
     for name, nbytes in (("a", 60), ("b", 60), ("c", 30)):
         try:

@@ -162,7 +162,9 @@ def simulate(
     error = None
     for block in tr.blocks:
         host = HostTier(bandwidth, host_bytes, log) if swap else None
-        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host)
+        rt = Runtime(
+            limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host
+        )
         try:
             base += run_block(rt, block)
         except OutOfBudgetError as e:
