@@ -32,12 +32,14 @@ not logged, so a prefetch the program stopped needing is not repeated.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 from dtr.engine.storage import RESIDENT, SWAPPED
 
-__all__ = ["HostTier", "SwapLog"]
+if TYPE_CHECKING:
+    from dtr.engine.runtime import Runtime
 
+__all__ = ["HostTier", "SwapLog"]
 
 Need = Tuple[int, int, int]  # (clock at which it was needed, storage id, bytes)
 
@@ -132,10 +134,10 @@ class HostTier:
         # The runtime reads it as ``Runtime.arriving``: every read of their values lands them
         # first (``Runtime.arrive``, Note [Arrival] in runtime.py), and values it drops leave.
         self.arriving: Dict[Any, Any] = {}
-        self._rt: Any = None
+        self._rt: Runtime = None  # type: ignore[assignment]  # set by ``attach``
         self._executor: Any = None
 
-    def attach(self, runtime: Any) -> None:
+    def attach(self, runtime: Runtime) -> None:
         """Serve ``runtime`` (its constructor calls this)."""
         self._rt = runtime
         self._executor = runtime.executor
