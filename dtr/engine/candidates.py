@@ -33,10 +33,9 @@ score less that margin, which is far above float32's rounding (slack is rounded 
 candidates that close (ties above all: LRU's clock, equal sizes for "size"), the lowest storage
 id among those examined wins; requiring the lowest id of *all* tied candidates would examine
 every one of them: milliseconds per eviction for "size" on models whose activations share a
-shape. A brute-force scan therefore agrees on the score, not always on the
-storage. Within a round (fixed clock) an examined score only rises as others are evicted (the
-scoring contract), so the heap's entries stay lower bounds and its top is re-scored before it
-wins a later pick.
+shape. A brute-force scan therefore agrees on the score, not always on the storage. Within a
+round (fixed clock) an examined score only rises as others are evicted (the scoring contract),
+so the heap's entries stay lower bounds and its top is re-scored before it wins a later pick.
 
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
