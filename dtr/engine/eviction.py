@@ -61,7 +61,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKWARD", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier"]
 
-
 ORDINARY, PROTECTED, BACKWARD, SMALL = range(4)  # Note [Eviction tiers]
 
 _NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["materialize"]
 
-
 _Weak = weakref.ReferenceType
 
 # Note [Thrashing]
