@@ -17,6 +17,7 @@ Note [Block lifecycle]
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -30,7 +31,7 @@ from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.host_copies import measure_bandwidth
-from dtr.engine import Heuristic, Runtime, Stats, make_heuristic
+from dtr.engine import Counters, Heuristic, Runtime, Stats, make_heuristic
 from dtr.engine.events import Events, holdings
 from dtr.engine.host_tier import HostTier
 from dtr.errors import DTRError, OutOfBudgetError
@@ -110,9 +111,8 @@ class Engine:
         self._driver: Optional[Driver] = None
         self._mode: Optional[DTRMode] = None
         self._hooks: list = []
-        self._done = dict(ops=0, evictions=0, eager_evictions=0, rematerializations=0,
-                          remat_seconds=0.0, flushes=0, swaps_out=0, swaps_in=0, prefetches=0,
-                          swap_bytes_out=0, swap_bytes_in=0, swap_stall_seconds=0.0)
+        self._done = Counters()  # of the blocks that ended
+        self._ops = 0
         self._peak = 0
         self._constant_bytes = 0
         self._largest_output = 0  # carried from block to block (Note [Room before an op])
@@ -183,15 +183,15 @@ class Engine:
                     "state, inputs: on CUDA all it has allocated, elsewhere the tensors the "
                     "engine's last block read), more than the total limit.",
                 )
+        if self._swap:
+            host = HostTier(self._bandwidth or measure_bandwidth(), self._host_limit, self._swap_log)
+            runtime = functools.partial(runtime, host=host)
         kind = crosscheck.CrosscheckedDriver if crosscheck.enabled() else Driver  # DTR_CROSSCHECK
         driver = kind(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
             largest_output=self._largest_output, total=self._total, outside=outside,
             constants_before=self._constants_counted, max_recompute=self._max_recompute,
         )
-        if self._swap:
-            bandwidth = self._bandwidth or measure_bandwidth()
-            driver.rt.host = HostTier(bandwidth, self._host_limit, self._swap_log)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
@@ -263,7 +263,8 @@ class Engine:
             )
 
     def _absorb(self, driver: Driver) -> None:
-        _add_counts(self._done, driver)
+        self._done.add(driver.rt.counters)
+        self._ops += driver.ops
         host = driver.rt.host
         if host is not None:
             self._swap_log = host.log
@@ -277,7 +278,8 @@ class Engine:
 
     def stats(self) -> Stats:
         """What this engine has done so far, summed over its blocks (see ``dtr.Stats``)."""
-        d = dict(self._done)
+        counts = Counters().add(self._done)
+        ops = self._ops
         peak, resident, constant = self._peak, 0, self._constant_bytes
         host_peak = self._host_peak
         gradients = self._gradient_bytes
@@ -286,7 +288,8 @@ class Engine:
             rt = driver.rt
             with rt.lock:
                 rt.drain()  # count tensors the program has dropped as gone
-                _add_counts(d, driver)
+                counts.add(rt.counters)
+                ops += driver.ops
                 peak = max(peak, rt.peak)
                 resident = rt.memory
                 if rt.host is not None:
@@ -300,7 +303,8 @@ class Engine:
             budget=self._budget,
             host_peak_bytes=host_peak,
             gradient_bytes=gradients,
-            **d,
+            ops=ops,
+            **counts.fields(),
         )
 
     def explain(self) -> Report:
@@ -380,22 +384,6 @@ def _cuda_allocated() -> Optional[int]:
         return None
     allocated = torch.cuda.memory_allocated()
     return allocated or None
-
-
-def _add_counts(totals: dict, driver: Driver) -> None:
-    c = driver.rt.counters
-    totals["ops"] += driver.ops
-    totals["evictions"] += c.evictions
-    totals["eager_evictions"] += c.eager_evictions
-    totals["rematerializations"] += c.rematerializations
-    totals["remat_seconds"] += c.remat_cost
-    totals["flushes"] += c.flushes
-    totals["swaps_out"] += c.swaps_out
-    totals["swaps_in"] += c.swaps_in
-    totals["prefetches"] += c.prefetches
-    totals["swap_bytes_out"] += c.swap_bytes_out
-    totals["swap_bytes_in"] += c.swap_bytes_in
-    totals["swap_stall_seconds"] += c.swap_stall
 
 
 def budget(

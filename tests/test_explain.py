@@ -104,7 +104,7 @@ def test_a_failed_budget_change_is_explained_and_the_block_goes_on():
 
 
 def test_thrashing_is_explained_with_its_replays_and_ratio(monkeypatch):
-    monkeypatch.setattr("dtr.engine.runtime._THRASH_REPLAYS", 5)
+    monkeypatch.setattr("dtr.engine.rematerialize._THRASH_REPLAYS", 5)
     x = torch.randn(N, N, requires_grad=True)
     engine = dtr.budget(4 * TENSOR, cost="estimate", max_recompute=0.01)
     with pytest.raises(dtr.ThrashingError) as info:

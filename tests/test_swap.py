@@ -177,8 +177,7 @@ def _block(previous, reads_x, end=None):
     clock 9 by an op (``reads_x="op"``), by a plain read (``"read"``: ``dtr.materialize``'s
     path) or not (``None``: another op makes R instead); ``end(rt, held)`` instead of dropping
     X and closing. Returns its log and counts."""
-    rt = Runtime(100, make_heuristic("dtr_eq"), _Arrivals())
-    rt.host = HostTier(1e3, None, previous)
+    rt = Runtime(100, make_heuristic("dtr_eq"), _Arrivals(), host=HostTier(1e3, None, previous))
     held, cells = {}, {}
 
     def op(name, nbytes, inputs=(), keep=True):
@@ -261,8 +260,8 @@ def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
 def test_the_swap_log_times_every_op_also_one_that_failed():
     # The prefetch schedule reads op costs by clock: an op that raised OutOfBudgetError still
     # moved the clock, and its cost must be logged, or every later prefetch is timed one op off.
-    rt = Runtime(100, make_heuristic("dtr_eq"), SimExecutor())
-    rt.host = HostTier(1e3, 0)  # no host room: b cannot push a out
+    host = HostTier(1e3, 0)  # no host room: b cannot push a out
+    rt = Runtime(100, make_heuristic("dtr_eq"), SimExecutor(), host=host)
     keep, failed = [], []
     for name, nbytes in (("a", 60), ("b", 60), ("c", 30)):
         try:

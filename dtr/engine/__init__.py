@@ -17,7 +17,9 @@ from dtr.engine.heuristics import (
     make_heuristic,
     register_heuristic,
 )
-from dtr.engine.runtime import Executor, PeakMeter, Runtime
+from dtr.engine.executor import Executor
+from dtr.engine.meter import PeakMeter
+from dtr.engine.runtime import Runtime
 from dtr.engine.storage import Cell, OpRecord, State, Storage
 from dtr.engine.telemetry import Counters, Stats
 

@@ -32,23 +32,19 @@ examination, and an unexamined row is skipped once its bound is no lower than th
 score less that margin, which is far above float32's rounding (slack is rounded up too). Among
 candidates that close (ties above all: LRU's clock, equal sizes for "size"), the lowest storage
 id among those examined wins; requiring the lowest id of *all* tied candidates would examine
-every one of them, which made "size" take milliseconds per eviction on models whose
-activations share a shape. A brute-force scan therefore agrees on the score, not always on the
-storage. Within a round (fixed clock) an examined score only rises as others are evicted (the
-scoring contract), so the heap's entries stay lower bounds and its top is re-scored before it
-wins a later pick.
+every one of them: milliseconds per eviction for "size" on models whose activations share a
+shape. A brute-force scan therefore agrees on the score, not always on the storage. Within a
+round (fixed clock) an examined score only rises as others are evicted (the scoring contract),
+so the heap's entries stay lower bounds and its top is re-scored before it wins a later pick.
 
 Inactive rows hold +inf: free slots; storages that cannot be recomputed ("dead", until they
 leave memory); locked storages found while examining ("parked": re-checked at each round start,
-so long-held locks cost O(locks) per round); storages under the round's small-storage threshold
-("stashed": the last resort, scanned only when nothing else can go); protected storages, made
-since the runtime's protection window began (``Runtime.protect_new``) or named to
-``Runtime.protect`` ("protected": scanned when no unprotected storage of ordinary size can go,
-before the small ones, whose eviction frees next to nothing; re-checked at each round start,
-active again once the window has moved past them and ``Runtime.unprotect`` named them; a row
-protected while active moves when examined, before it can be picked); storages made in a
-backward pass ("gradients", Note [Gradients are a last resort] in runtime.py: scanned with the
-protected ones, never re-checked, since they stay a last resort until they leave memory).
+so long-held locks cost O(locks) per round); and the last resorts of Note [Eviction tiers]
+(eviction.py), scanned only when no ORDINARY storage can go: SMALL storages ("stashed", scanned
+last), PROTECTED ones ("protected": re-checked at each round start, back to their tier once the
+window has moved past them and ``Runtime.unprotect`` named them; a row protected while active
+moves when examined, before it can be picked), and BACKWARD ones ("gradients": scanned with the
+protected ones, never re-checked, since a storage stays BACKWARD until it leaves memory).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected,
@@ -63,11 +59,11 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
-from dtr.engine.storage import State, Storage
+from dtr.engine.eviction import BACKWARD, ORDINARY, PROTECTED, SMALL, tier
+from dtr.engine.storage import RESIDENT, Storage
 
 __all__ = ["CandidateIndex"]
 
-RESIDENT = State.RESIDENT
 _INF = float("inf")
 _F32_MAX = float(np.finfo(np.float32).max)
 # Relative margin between a float32 bound and an exact float64 score: float32 rounds to 2^-24
@@ -138,9 +134,8 @@ class CandidateIndex:
               protected_from: float = _INF) -> None:
         """Start an eviction round at clock ``now``: bring the rows up to date with what
         happened since the last round, and bound every score. ``resident`` is the runtime's
-        insertion-ordered resident set; protected storages (sid ``protected_from`` or later,
-        or ``protected`` set) are a last resort, storages under ``small_below`` bytes the very
-        last."""
+        insertion-ordered resident set; ``small_below`` and ``protected_from`` place storages
+        in their tiers (``eviction.tier``)."""
         self._now = now
         self._small_below = small_below
         self._protected_from = protected_from
@@ -184,9 +179,9 @@ class CandidateIndex:
 
     def pick(self) -> Optional[Storage]:
         """The round's next victim: a candidate (resident, unlocked, recomputable) with the
-        lowest score (Note [Candidate index]: up to ``_TOL``) among the unprotected ones at or
-        above the small threshold if any, else among the protected ones, else among all; None
-        if there is no candidate. The caller evicts it before the next ``pick``."""
+        lowest score (Note [Candidate index]: up to ``_TOL``) in the first tier that has one
+        (Note [Eviction tiers]); None if there is no candidate. The caller evicts it before the
+        next ``pick``."""
         self._picks += 1
         buf, checked, rows = self._buf, self._checked, self._rows
         while True:
@@ -203,7 +198,11 @@ class CandidateIndex:
             elif lb == _INF:
                 # A small storage stashed before it was protected stays in the stash: it
                 # counts as protected here.
-                flagged = [(slot, t) for slot, t in self._stashed.items() if t.protected]
+                flagged = [
+                    (slot, t)
+                    for slot, t in self._stashed.items()
+                    if tier(t, self._small_below, self._protected_from) == PROTECTED
+                ]
                 s = self._best_of(chain(self._protected.items(), self._gradients.items(), flagged))
                 return s if s is not None else self._best_of(self._stashed.items())
             buf[i] = _INF
@@ -220,16 +219,18 @@ class CandidateIndex:
         s = self._rows[slot]
         if s is None or s.slot != slot or s.state is not RESIDENT:
             self._free_row(slot)
-        elif s.backward:  # Note [Gradients are a last resort] in runtime.py
+            return
+        t = tier(s, self._small_below, self._protected_from)
+        if t == BACKWARD:
             self._gradient(slot, s)
-        elif s.protected or s.sid >= self._protected_from:  # protected while it had a row
+        elif t == PROTECTED:  # protected while it had a row
             self._protect(slot, s)
         elif s.locks:
             self._parked[slot] = s
             self._deactivate(slot)
         elif not self._recomputable(s):
             self._deactivate(slot)  # dead: stays registered until it leaves memory
-        elif s.nbytes < self._small_below:
+        elif t == SMALL:
             self._stash(slot, s)
         else:
             k = self._key(s)
@@ -243,17 +244,17 @@ class CandidateIndex:
         """Give a storage that became resident a row (with an exact bound)."""
         if not self._free:
             self._grow()
-        protected = s.protected or s.backward or s.sid >= self._protected_from
-        active = not protected and self._recomputable(s) and s.nbytes >= self._small_below
+        t = tier(s, self._small_below, self._protected_from)
+        active = t == ORDINARY and self._recomputable(s)
         if active:  # before taking a slot: a key that raises leaves nothing half done
             key, floor = self._key(s), self._floor(s)
         slot = self._free.pop()
         self._rows[slot] = s
         s.slot = slot
         self._used += 1
-        if s.backward:
+        if t == BACKWARD:
             self._gradient(slot, s)
-        elif protected:
+        elif t == PROTECTED:
             self._protect(slot, s)
         elif active:
             self._set(slot, s, key, floor)
@@ -365,15 +366,19 @@ class CandidateIndex:
         for slot, s in list(self._protected.items()):
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
-            elif s.sid < self._protected_from and not s.protected:
-                del self._protected[slot]
-                self._restore(slot, s)
+            else:
+                t = tier(s, self._small_below, self._protected_from)
+                if t != PROTECTED:
+                    del self._protected[slot]
+                    self._restore(slot, s, t)
 
-    def _restore(self, slot: int, s: Storage) -> None:
-        """A row that left the protected tier: back to its own."""
-        if not self._recomputable(s):
+    def _restore(self, slot: int, s: Storage, t: int) -> None:
+        """A row that left the protected tier: to its tier ``t``."""
+        if t == BACKWARD:
+            self._gradient(slot, s)
+        elif not self._recomputable(s):
             return  # dead: inactive until it leaves memory
-        if s.nbytes < self._small_below:
+        elif t == SMALL:
             self._stash(slot, s)
         else:
             self._activate(slot, s)  # locked: parked when examined

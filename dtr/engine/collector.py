@@ -1,21 +1,43 @@
 """The only module that knows about ``dtr_ext._collector``: taking the engine's records out of
-Python's cyclic collector (Note [Untracked records] in runtime.py).
+Python's cyclic collector (Note [Untracked records]).
 
 ``untrack(*objs)`` stops the collector from visiting ``objs``; ``track(*objs)`` makes it visit
 them again. ``untrack`` refuses a weakref (``TypeError``): when a weakref's referent dies in a
 garbage cycle, the collector handles the weakref's callback only if it is tracked (an
-untracked one crashed the process). Without the native module (no C compiler at install, or
+untracked one crashes the process). Without the native module (no C compiler at install, or
 ``DTR_PUREPYTHON=1`` at import) both do nothing else: the engine behaves the same, and the
 collector does more work per op. ``NATIVE`` tells which is in use.
+
+Note [Untracked records]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A replayable record keeps four containers alive for as long as its outputs may be recomputed,
+often a whole forward pass: the record, its input and output lists, and the dependents dicts of
+its inputs (plus ``use_storages`` when it is a tuple; the driver adds its record's argument
+tuples). They outlive the collector's young generations, so every full collection visits them,
+and they bring those collections on: ~0.6 us per object per op amortized (docs/runtime.md).
+With ``Runtime(untracked=True)`` the runtime takes them out of the collector once wired (a
+no-op without dtr_ext). Safe, because every cycle through them passes through the ``parent``
+link of a storage the record made (an output lists its record, a dependents dict and a forward
+version lead to a record's output), and the runtime clears that link itself when it releases
+or cuts the storage (Note [Views held weakly]); for storages still in the graph at ``close``,
+``give_back`` returns their records' containers to the collector. A runtime left open would
+never be collected, hence the flag: the driver always closes its runtime. A storage, which
+every record keeps too, is untracked only while it is in the runtime's graph, whose dicts hold
+it, so it is not garbage; it goes back to the collector as it leaves (release, an output
+dropped by a failed fit) or at ``close``, so that a heuristic, a swap log or the program that
+still holds it may hold it in a cycle of their own. Cells, wrappers and their ``Ref``s stay
+tracked: a ``Ref`` is a weakref with a callback, and when its wrapper dies in a garbage cycle
+the collector moves the ref onto its list of callbacks to call, which it can only do for a
+tracked object; hence ``untrack`` refusing weakrefs.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["NATIVE", "track", "untrack"]
+__all__ = ["NATIVE", "give_back", "track", "untrack"]
 
 
 def _untrack_nothing(*objs: Any) -> None:
@@ -42,3 +64,15 @@ _EXT = _load()
 NATIVE: bool = _EXT is not None
 untrack = _EXT.untrack if _EXT is not None else _untrack_nothing
 track = _EXT.track if _EXT is not None else _ignore
+
+
+def give_back(storages: Iterable[Any]) -> None:
+    """Return ``storages`` (those still in a runtime's graph at its ``close``) and the
+    containers of their records to the collector (Note [Untracked records])."""
+    for s in storages:
+        track(s)
+        rec = s.parent
+        if rec is not None:
+            track(rec, rec.inputs, rec.outputs, rec.use_storages)
+        if s.dependents:
+            track(s.dependents)

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from dtr.engine.eviction import BACKWARD, PROTECTED, tier
 from dtr.errors import OutOfBudgetError, ThrashingError
 from dtr.log import logger
 
@@ -25,8 +26,8 @@ __all__ = ["Events", "Failure", "Holding", "Tally", "holdings", "GROUPS"]
 #: The groups of ``holdings``, in the order a storage is classified (the first that applies).
 GROUPS = (
     "locked",  # inputs and outputs of the op or replay in flight
-    "protected by a plan",  # a plan keeps them (last resort of eviction)
-    "made in backward",  # gradients in flight: a last resort too (Note [Gradients are a last resort])
+    "protected by a plan",  # a plan keeps them (the PROTECTED tier, Note [Eviction tiers])
+    "made in backward",  # gradients in flight (the BACKWARD tier)
     "not recomputable",  # no replayable lineage: flushed, made permanent, non-replayable ops
     "activations",  # evictable: what DTR can drop and recompute
     "gradients",  # .grad tensors made in the block, charged until it ends (Runtime.hold)
@@ -80,11 +81,12 @@ def holdings(rt: Any) -> List[Holding]:
     sums: Dict[tuple, List[int]] = {}
     protected_from = rt._protected_from
     for s in rt.resident:
+        t = tier(s, 0.0, protected_from)
         if s.locks:
             group = "locked"
-        elif s.protected or s.sid >= protected_from:
+        elif t == PROTECTED:
             group = "protected by a plan"
-        elif s.backward and s.recomputable:
+        elif t == BACKWARD and s.recomputable:
             group = "made in backward"
         elif not s.recomputable:
             group = "not recomputable"
@@ -101,7 +103,7 @@ def holdings(rt: Any) -> List[Holding]:
     out = [Holding(g, op, n, b) for (g, op), (n, b) in sums.items()]
     if rt.held_bytes:
         out.append(Holding("gradients", ".grad", len(rt.held), rt.held_bytes))
-    outgoing = rt._outgoing
+    outgoing = rt.host.outgoing if rt.host is not None else ()
     if outgoing:
         out.append(Holding("copies to host", "(swap out)", len(outgoing), sum(s.nbytes for s in outgoing)))
     out.sort(key=lambda h: -h.nbytes)

@@ -38,9 +38,10 @@ instead
 gets the runtime's candidate index (engine/candidates.py; Note [Candidate index] there), which
 finds a victim of the same score (to a relative 1e-5) in microseconds: about 10 µs per eviction
 among 10,000 candidates (benchmarks/bench_eviction.py). Both searches look at every candidate:
-neither samples (the DTR paper's sampling failed at low budgets). The index caches keys and trusts a cached key to be a
-*lower bound* of the current one: a key may rise at any time (the index re-checks lazily), but
-a heuristic whose keys can *drop* while a storage stays resident must report it:
+neither samples (the DTR paper's sampling fails at low budgets). The index caches keys and
+trusts a cached key to be a *lower bound* of the current one: a key may rise at any time (the
+index re-checks lazily), but a heuristic whose keys can *drop* while a storage stays resident
+must report it:
 
 - ``lowered() -> (storages, slack) | None``: the resident storages whose key may have dropped by
   any amount since the previous call, and ``slack``, a bound on how far the key of any other

@@ -10,10 +10,10 @@ staleness, if the host tier has room. That is the copy back, which the program m
 the copy out runs beside compute on an accelerator (the simulator counts swaps the same way),
 and charging it too would evict tensors whose copy back costs less than their recomputation
 (docs/runtime.md, "Swapping"). Each candidate takes the cheaper of the two, and the cheapest
-candidate goes first. Storages the engine cannot recompute (outputs of ops with side effects,
-storages whose lineage was cut) can only be swapped. The comparison is exact for scores
-of the form cost / (bytes * staleness) (h_DTR, h_DTR^eq, h_DTR-local, MSPS); other heuristics'
-scores are compared as they are.
+candidate goes first (the keys are ``eviction.Rescoring``'s). Storages the engine cannot
+recompute (outputs of ops with side effects, storages whose lineage was cut) can only be
+swapped. The comparison is exact for scores of the form cost / (bytes * staleness) (h_DTR,
+h_DTR^eq, h_DTR-local, MSPS); other heuristics' scores are compared as they are.
 
 A swapped storage comes back on access (a synchronous swap-in, counted as a stall), or earlier:
 each block logs when it had to swap in which storage (by storage id, which the same program
@@ -26,13 +26,18 @@ that comes too late to be covered by the ops left before its need costs the unco
 the transfer (``late_seconds``, an estimate from the previous block's op costs, which the
 simulator counts as a stall). A prefetched storage that the block then reads is logged too, at
 the clock it was needed: a block whose prefetches all arrived in time swaps nothing in
-synchronously, and the one after it must still know what to prefetch. One it never reads is not logged, so a
-prefetch the program stopped needing is not repeated.
+synchronously, and the one after it must still know what to prefetch. One it never reads is
+not logged, so a prefetch the program stopped needing is not repeated.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+
+from dtr.engine.storage import RESIDENT, SWAPPED
+
+if TYPE_CHECKING:
+    from dtr.engine.runtime import Runtime
 
 __all__ = ["HostTier", "SwapLog"]
 
@@ -96,8 +101,11 @@ class SwapLog:
 
 
 class HostTier:
-    """Host memory of one runtime: the swapped storages' handles, their bytes, the swap policy's
-    costs, and the prefetch schedule learnt from the previous block.
+    """Host memory of one runtime (one block): swapping out and back in, the swapped storages'
+    handles and bytes, the copies in flight each way, and the prefetch schedule learnt from the
+    previous block. Given to ``Runtime(..., host=...)``, which ``attach``es it; it changes the
+    runtime's state only through the runtime's primitives (``_charge``, ``_uncharge``,
+    ``_load``, ``_unload``, ``_evict_to``).
 
     Args:
         bandwidth: bytes per second of one transfer direction.
@@ -113,13 +121,26 @@ class HostTier:
         self.bytes = 0
         self.peak = 0
         self.handles: Dict[Any, Any] = {}  # swapped Storage -> the executor's host handle
-        self.by_sid: Dict[int, Any] = {}  # sid -> swapped Storage
+        self._by_sid: Dict[int, Any] = {}  # sid -> swapped Storage
         self.log = SwapLog()
         self._previous = previous
         self._schedule = previous.prefetch_schedule(self.bandwidth) if previous is not None else {}
         # (storage, need) due for prefetching that did not fit yet, in the order they are needed.
-        self.waiting: List[Tuple[Any, Need]] = []
+        self._waiting: List[Tuple[Any, Need]] = []
         self.late_seconds = 0.0  # estimated transfer time prefetches left uncovered
+        # Swapped out, and still charged until their copy is done (its memory is still read).
+        self.outgoing: List[Any] = []
+        # Prefetched storages whose copy may still be landing -> the executor's pending handle.
+        # The runtime reads it as ``Runtime.arriving``: every read of their values lands them
+        # first (``Runtime.arrive``, Note [Arrival] in runtime.py), and values it drops leave.
+        self.arriving: Dict[Any, Any] = {}
+        self._rt: Runtime = None  # type: ignore[assignment]  # set by ``attach``
+        self._executor: Any = None
+
+    def attach(self, runtime: Runtime) -> None:
+        """Serve ``runtime`` (its constructor calls this)."""
+        self._rt = runtime
+        self._executor = runtime.executor
 
     def swap_cost(self, nbytes: int) -> float:
         """Seconds the program may wait to get ``nbytes`` back (Note [Swap or evict])."""
@@ -128,29 +149,121 @@ class HostTier:
     def fits(self, nbytes: int) -> bool:
         return self.limit is None or self.bytes + nbytes <= self.limit
 
-    def add(self, storage, handle) -> None:
-        self.handles[storage] = handle
-        self.by_sid[storage.sid] = storage
-        self.bytes += storage.nbytes
+    # ------------------------------------------------------------------ copies
+
+    def swap_out(self, s: Any) -> None:
+        """Copy the resident ``s`` to the host instead of evicting it (Note [Swap or evict])."""
+        ex = self._executor
+        pending = self.arriving.pop(s, None)
+        if pending is not None:  # prefetched, never read: its copy back lands before this copy out
+            ex.arrive(pending)
+        handle = ex.swap_out(s.value)
+        rt = self._rt
+        rt._unload(s, SWAPPED)
+        self.handles[s] = handle
+        self._by_sid[s.sid] = s
+        self.bytes += s.nbytes
         if self.bytes > self.peak:
             self.peak = self.bytes
+        c = rt.counters
+        c.swaps_out += 1
+        c.swap_bytes_out += s.nbytes
+        if ex.swap_done(handle):
+            rt._uncharge(s.nbytes)
+        else:
+            self.outgoing.append(s)
 
-    def remove(self, storage) -> Any:
-        handle = self.handles.pop(storage)
-        del self.by_sid[storage.sid]
-        self.bytes -= storage.nbytes
-        return handle
+    def poll_outgoing(self, wait: bool = False) -> None:
+        """Stop charging swapped-out storages whose copy has finished (with ``wait``: the
+        oldest one at least, waiting for it)."""
+        ex = self._executor
+        done = []
+        for i, s in enumerate(self.outgoing):
+            handle = self.handles.get(s)
+            if handle is None or ex.swap_done(handle):
+                done.append(i)
+            elif wait and not done:
+                ex.swap_wait(handle)
+                done.append(i)
+        for i in reversed(done):
+            self._rt._uncharge(self.outgoing.pop(i).nbytes)
 
-    def due(self, clock: int) -> List[Tuple[Any, Need]]:
+    def swap_in(self, s: Any, prefetch: bool) -> None:
+        """Bring the swapped ``s`` back: synchronously (the program waits; evicts to the
+        budget), or as a prefetch whose copy lands before its first read (``Runtime.arrive``)."""
+        rt, ex = self._rt, self._executor
+        if prefetch:
+            value, self.arriving[s] = ex.prefetch(self.handles[s])
+            waited = 0.0
+        else:
+            value, waited = ex.swap_in(self.handles[s])
+        if s in self.outgoing:  # back before its copy out was done: it was never freed
+            self.outgoing.remove(s)
+        else:
+            rt._charge(s.nbytes)
+        self._remove(s)
+        rt._load(s, value)
+        c = rt.counters
+        c.swap_bytes_in += s.nbytes
+        if prefetch:
+            c.prefetches += 1
+            return
+        c.swaps_in += 1
+        c.swap_stall_seconds += waited
+        self.log.swap_ins.append((rt.clock, s.sid, s.nbytes))
+        if rt.budget is not None and rt.memory > rt.budget:
+            s.locks += 1  # its reader has not locked it yet
+            try:
+                rt._evict_to(rt.budget, "swapping a tensor back in")
+            finally:
+                s.locks -= 1
+
+    def leave(self, s: Any) -> None:
+        """The swapped ``s`` left the graph: forget its copy."""
+        if s in self.outgoing:
+            self.outgoing.remove(s)
+            self._rt._uncharge(s.nbytes)
+        self._remove(s)
+
+    def _remove(self, s: Any) -> None:
+        del self.handles[s]
+        del self._by_sid[s.sid]
+        self.bytes -= s.nbytes
+
+    # ------------------------------------------------------------------ prefetching
+
+    def after_op(self) -> None:
+        """After each op: stop charging finished copies out, and prefetch what the previous
+        block needed next, as soon as it fits without evicting anything."""
+        rt = self._rt
+        if self.outgoing:
+            self.poll_outgoing()
+        due = self._due(rt.clock)
+        if due:
+            self._waiting += due
+            self._waiting.sort(key=_by_need)
+        if self._waiting:
+            keep = []
+            for s, need in self._waiting:
+                if s.state is not SWAPPED:  # back already, or gone
+                    continue
+                if rt.budget is not None and rt.memory + s.nbytes > rt.budget:
+                    keep.append((s, need))
+                    continue
+                self.swap_in(s, prefetch=True)
+                self._prefetched(s, need, rt.clock)
+            self._waiting = keep
+
+    def _due(self, clock: int) -> List[Tuple[Any, Need]]:
         """Swapped storages the previous block's log says to prefetch at ``clock``, each with
         its need."""
         needs = self._schedule.get(clock)
         if not needs:
             return []
-        by_sid = self.by_sid
+        by_sid = self._by_sid
         return [(by_sid[n[1]], n) for n in needs if n[1] in by_sid]
 
-    def prefetched(self, storage: Any, need: Need, clock: int) -> None:
+    def _prefetched(self, storage: Any, need: Need, clock: int) -> None:
         """``storage`` was brought back at ``clock`` for ``need``: note it (the log keeps it
         once the block reads the storage), and charge what the ops left before the need (by
         the previous block's costs) cannot cover."""
@@ -158,3 +271,37 @@ class HostTier:
         uncovered = storage.nbytes / self.bandwidth - self._previous.cost_between(clock, need[0])
         if uncovered > 0:
             self.late_seconds += uncovered
+
+    # ------------------------------------------------------------------ end of block
+
+    def land(self) -> None:
+        """At the end of the block, also one that failed: land every prefetch (values that
+        outlive the block must be readable), and seal the log."""
+        for pending in self.arriving.values():
+            self._executor.arrive(pending)
+        self.arriving.clear()
+        self.log.seal()  # the log outlives the block: it drops its storages
+
+    def clear(self) -> None:
+        """After the block's lineage was cut: forget the copies, which nothing can read now."""
+        self.handles.clear()
+        self._by_sid.clear()
+        self.bytes = 0
+        self.outgoing.clear()
+
+    def check(self, storages: Iterable[Any]) -> None:
+        """Assert that the tier agrees with the runtime's ``storages``. O(storages); for tests."""
+        for s in self.arriving:  # Note [Arrival]: only resident values can be in flight
+            assert s.state is RESIDENT and s.value is not None, f"{s} is arriving but not resident"
+        swapped = 0
+        for s in storages:
+            if s.state is SWAPPED:
+                assert s in self.handles, f"{s} is swapped but the host tier has no copy of it"
+                swapped += s.nbytes
+        assert swapped == self.bytes, f"host tier counts {self.bytes} bytes, swapped storages {swapped}"
+        if self.limit is not None:
+            assert self.bytes <= self.limit, "host tier over its limit"
+
+
+def _by_need(entry: Tuple[Any, Need]) -> Need:
+    return entry[1]

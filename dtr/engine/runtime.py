@@ -1,4 +1,10 @@
-"""The DTR runtime: memory accounting, eviction, rematerialization, lineage release.
+"""The DTR runtime: the state machine a driver calls, and the state it keeps (storages, locks,
+references, charged bytes, the clock).
+
+The work it delegates lives in modules of its own, as functions of the runtime or objects it
+owns: which storage to evict (eviction.py, candidates.py), rematerialization
+(rematerialize.py), lineage release (lineage.py), the host tier (host_tier.py), peak meters
+(meter.py), and the invariant checks (invariants.py).
 
 A driver calls, under ``runtime.lock``:
 
@@ -32,66 +38,24 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from heapq import heapify, heappop, heappush
-from typing import Any, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from dtr.engine import collector
+from dtr.engine import collector, invariants, lineage
 from dtr.engine.candidates import CandidateIndex
+from dtr.engine.eviction import Rescoring, keyed, out_of_budget
+from dtr.engine.executor import Executor
 from dtr.engine.heuristics import Heuristic
-from dtr.engine.storage import Cell, OpRecord, State, Storage
+from dtr.engine.lineage import release
+from dtr.engine.meter import PeakMeter
+from dtr.engine.rematerialize import materialize
+from dtr.engine.storage import (
+    EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
+)
 from dtr.engine.host_tier import HostTier
 from dtr.engine.telemetry import Counters
-from dtr.errors import OutOfBudgetError, ThrashingError
+from dtr.errors import OutOfBudgetError
 
-__all__ = ["Executor", "PeakMeter", "Ref", "Runtime"]
-
-RESIDENT = State.RESIDENT
-EVICTED = State.EVICTED
-EXTERNAL = State.EXTERNAL
-RELEASED = State.RELEASED
-SWAPPED = State.SWAPPED
-
-
-class Executor(Protocol):
-    """What a driver gives the runtime so that it can recompute storages.
-
-    ``views_alias_data``: True when a view's value shares memory with its storage, so that an
-    in-place write to the storage is visible through the views' existing values (torch);
-    the runtime then keeps those values across the write instead of re-deriving them.
-    """
-
-    views_alias_data: bool
-
-    def replay(self, record: OpRecord) -> Tuple[Sequence[Any], float]:
-        """Run ``record`` again on the values of ``record.inputs`` (all defined).
-
-        Returns the output values, aligned with ``record.outputs``, and the cost of the replay
-        in seconds (measured or estimated).
-        """
-
-    def forget(self, record: OpRecord) -> None:
-        """``record`` will never be replayed again; drop what its payload holds."""
-
-    # Swapping (only with a host tier; engine/host_tier.py):
-
-    def swap_out(self, value: Any) -> Any:
-        """Start copying a storage (its root ``value``) to the host; returns a handle."""
-
-    def swap_done(self, handle: Any) -> bool:
-        """Whether the copy out has finished, so that the storage's memory is free."""
-
-    def swap_wait(self, handle: Any) -> None:
-        """Block until the copy out has finished."""
-
-    def swap_in(self, handle: Any) -> Tuple[Any, float]:
-        """The root value back from the host, and the seconds the caller waited for it."""
-
-    def prefetch(self, handle: Any) -> Tuple[Any, Any]:
-        """Start bringing the root value back from the host without waiting: the value, which
-        must not be read before ``arrive(pending)``, and ``pending``."""
-
-    def arrive(self, pending: Any) -> None:
-        """Make the value of a prefetch readable (its copy has landed before any later read)."""
+__all__ = ["Ref", "Runtime"]
 
 
 class Ref(weakref.ref):
@@ -104,92 +68,8 @@ def _noop(storage: Storage) -> None:
     pass
 
 
-_NEVER = float("inf")  # the key of a candidate that can neither be evicted nor swapped
-
-# Note [Thrashing]
-# ~~~~~~~~~~~~~~~~
-# Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
-# needs, and a step that takes a second eagerly runs for minutes or hours (a child-sum TreeLSTM
-# at half its peak ran for 50 minutes; a GRUCell loop at 0.3 took 17.7 minutes). The runtime
-# compares the cost of its replays with the cost of the block's own ops (``work``, the same
-# measure) and raises ``ThrashingError``, an ``OutOfBudgetError``, once the ratio passes
-# ``max_recompute`` (``dtr.budget``'s default: 10; the DTR paper's curves stay under 3x above
-# their knee). Not before ``_THRASH_REPLAYS`` replays: early in a block the work is small and
-# a few replays would pass any ratio. The check sits where a replay is counted, so it costs nothing per op.
-# Raising there unwinds like any failure in a rematerialization (locks released, evictions
-# kept), and ``close`` lifts the budget, so nothing is left half done.
-_THRASH_REPLAYS = 1000
+_CLOSED = float("inf")  # the first storage id of a closed protection window (``protect_new``)
 _weak = weakref.ref
-_Weak = weakref.ReferenceType
-
-
-def _add_view(s: Storage, c: Cell) -> None:
-    """Remember a defined view cell of ``s`` (weakly), so that eviction can undefine it."""
-    views = s.views
-    if not views:
-        views = s.views = []
-    views.append(_weak(c))  # the record's own weak reference to ``c``, if it has one
-    if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
-        views[:] = [w for w in views if w() is not None]
-
-
-def _by_need(entry: Tuple[Storage, Tuple[int, int, int]]) -> Tuple[int, int, int]:
-    return entry[1]
-
-
-def _keyed(heuristic: Any) -> bool:
-    """Whether the candidate index may search for ``heuristic``: it defines ``key`` and derives
-    its score from it (heuristics.py, Note [Keys])."""
-    return callable(getattr(heuristic, "key", None)) and type(heuristic).score is Heuristic.score
-
-
-def _deepest(cells: List[Cell]) -> Cell:
-    """The missing input whose recomputation looks deepest: the most missing inputs of its
-    own parent (one level of lookahead; Note [Order of rematerialization])."""
-    if len(cells) == 1:
-        return cells[0]
-    best, depth = cells[0], -1
-    for c in cells:
-        rec = c.parent
-        d = 0 if rec is None else sum(1 for i in rec.inputs if i.value is None)
-        if d > depth:
-            best, depth = c, d
-    return best
-
-
-# Note [Peak meters]
-# ~~~~~~~~~~~~~~~~~~
-# The places that charge bytes keep one high-water mark, ``_high``: the most bytes charged
-# since the latest meter started (or since the runtime did). Starting a meter folds ``_high``
-# into every open meter and into ``_earlier_peak``, then restarts it from the bytes charged
-# now; a peak (the runtime's, or an open meter's) is the larger of what was folded into it and
-# ``_high``. So an op pays one comparison whatever the number of meters open, starting a meter
-# costs O(open meters), and no meter can lower the runtime's peak: a stage that raises before
-# its meter stops leaves ``peak`` right.
-class PeakMeter:
-    """The most bytes charged to a runtime since ``Runtime.meter()`` made this meter (the
-    bytes charged then, at least); ``stop()`` freezes it. Meters may overlap and nest."""
-
-    __slots__ = ("_runtime", "_peak")
-
-    def __init__(self, runtime: "Runtime") -> None:
-        self._runtime: Optional[Runtime] = runtime
-        self._peak = runtime.memory
-
-    @property
-    def peak(self) -> int:
-        """The most bytes charged since the meter started, until it stopped."""
-        rt = self._runtime
-        return self._peak if rt is None or rt._high < self._peak else rt._high
-
-    def stop(self) -> int:
-        """Stop measuring (the runtime forgets this meter) and return ``peak``. Idempotent."""
-        rt = self._runtime
-        if rt is not None:
-            self._peak = self.peak
-            rt._meters.remove(self)
-            self._runtime = None
-        return self._peak
 
 
 class Runtime:
@@ -202,7 +82,8 @@ class Runtime:
         untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
             the caller must then ``close()`` the runtime.
         max_recompute: raise ``ThrashingError`` once replays have cost more than this many
-            times the block's own ops (Note [Thrashing]); None: never.
+            times the block's own ops (Note [Thrashing] in rematerialize.py); None: never.
+        host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
     """
 
     def __init__(
@@ -213,6 +94,7 @@ class Runtime:
         *,
         untracked: bool = False,
         max_recompute: Optional[float] = None,
+        host: Optional[HostTier] = None,
     ) -> None:
         self.budget = budget
         self.max_recompute = max_recompute
@@ -222,13 +104,13 @@ class Runtime:
         self._on_evict = getattr(heuristic, "on_evict", _noop)
         self._on_materialize = getattr(heuristic, "on_materialize", _noop)
         self._on_release = getattr(heuristic, "on_release", _noop)
-        self._keyed = _keyed(heuristic)
+        self._keyed = keyed(heuristic)
         self._index: Optional[CandidateIndex] = None  # made by the first eviction round
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
         self.memory = 0  # charged bytes: resident storages, copies out in flight, ``held``
-        self._high = 0  # Note [Peak meters]
+        self._high = 0  # Note [Peak meters] in meter.py
         self._earlier_peak = 0
         self._meters: List[PeakMeter] = []
         # Note [Held gradients]
@@ -252,13 +134,13 @@ class Runtime:
         self._refs: dict = {}  # id(Ref) -> Ref, for live wrappers
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
-        self._protected_from: float = _NEVER  # storages with a sid from this one on: last resort
+        self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
-        self.host: Optional[HostTier] = None  # set by the driver for dtr.budget(swap=True)
-        self._outgoing: List[Storage] = []  # swapped out, still charged until the copy is done
-        # Prefetched storages whose copy may still be landing -> the executor's pending handle:
-        # every read of their values goes through ``arrive`` first (Note [Arrival]).
-        self.arriving: dict = {}
+        self.host = host
+        # The host tier's prefetches in flight (Note [Arrival]), here so that a read checks for
+        # them in one lookup and lands or drops them with no call into the tier; without a
+        # host tier, a dict that stays empty.
+        self.arriving: dict = host.arriving if host is not None else {}
         # Storages without lineage that give way to their dependents once dead (``_unreferenced``):
         # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
         self._yielding: "weakref.WeakSet[Storage]" = weakref.WeakSet()
@@ -271,6 +153,8 @@ class Runtime:
         # None unless someone watches, so that each costs one check.
         self.events: Optional[Any] = None
         self.on_op: Optional[Any] = None
+        if host is not None:
+            host.attach(self)
 
     @property
     def peak(self) -> int:
@@ -279,17 +163,8 @@ class Runtime:
 
     def meter(self) -> PeakMeter:
         """A ``PeakMeter`` of the bytes charged from now on, e.g. during one stage of a program
-        (Note [Peak meters]); ``stop()`` it when done. O(meters open)."""
-        high = self._high
-        for m in self._meters:
-            if high > m._peak:
-                m._peak = high
-        if high > self._earlier_peak:
-            self._earlier_peak = high
-        self._high = self.memory
-        m = PeakMeter(self)
-        self._meters.append(m)
-        return m
+        (Note [Peak meters] in meter.py); ``stop()`` it when done. O(meters open)."""
+        return PeakMeter(self)
 
     # ------------------------------------------------------------------ wrappers
 
@@ -331,7 +206,7 @@ class Runtime:
         if s.locks:
             return
         if s.uses == 0:
-            self._release(s)
+            release(self, s)
         elif s.state is RESIDENT and s.recomputable:
             # Eager eviction (paper C.5): the program is done with it, but a recorded op may
             # still need it, so keep the lineage and free the memory. Not when a tensor the
@@ -356,7 +231,7 @@ class Runtime:
             deps = list(s.dependents)
             if sum(t.nbytes for t in deps) <= s.nbytes and all(t.state is RESIDENT and not t.locks for t in deps):
                 for t in deps:
-                    self.cut(t)
+                    lineage.cut(self, t)
 
     # ------------------------------------------------------------------ versions
 
@@ -364,40 +239,9 @@ class Runtime:
         """The cell that now stands for ``cell``, following in-place versions (Note [Versions])."""
         while cell.storage.forward is not None:
             if cell.forward is None:
-                self._translate(cell)
+                translate(cell)
             cell = cell.forward  # type: ignore[assignment]
         return cell
-
-    def _translate(self, cell: Cell) -> None:
-        """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views."""
-        s2 = cell.storage.forward
-        chain = []
-        c = cell
-        while c.forward is None:  # the root's is the new version itself: the walk stops there
-            chain.append(c)
-            c = c.parent.inputs[0]
-        base = c.forward
-        for c in reversed(chain):
-            rec = c.parent
-            rec2 = rec.retarget([base])
-            rec2.outputs = [None] * len(rec.outputs)
-            c2 = Cell(s2, rec2, c.index, None)
-            rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
-            c.forward = c2
-            base = c2
-
-    def _carry_views(self, s: Storage) -> None:
-        """Before ``s`` becomes an old version, give its defined views counterparts on the new
-        version holding the same values (the data was changed in place, so they are current),
-        sparing a replay of each view when the program touches it next."""
-        s2 = s.forward
-        for w in s.views:
-            c = w()
-            if c is not None and c.value is not None and c.forward is None:
-                self._translate(c)
-                c2 = c.forward
-                c2.value = c.value
-                _add_view(s2, c2)
 
     # ------------------------------------------------------------------ ops
 
@@ -411,7 +255,7 @@ class Runtime:
         try:
             for c in cells:
                 if c.value is None:
-                    self._materialize(c)
+                    materialize(self, c)
         except BaseException:
             self.unlock(cells)
             self._settle()
@@ -440,58 +284,13 @@ class Runtime:
                 self.executor.arrive(pending)
                 self.host.log.read(s)  # the prefetch was needed: the next block repeats it
 
-    def before_write(self, storages: Iterable[Storage]) -> None:
-        """Call before an op writes ``storages`` in place.
-
-        A recomputable storage simply becomes an evicted old version (Note [Versions]). One
-        with no lineage (cut, external, or made by a non-replayable op) could never be rebuilt
-        for the records that read it, so those records' outputs are made resident and
-        permanent first. Raises ``OutOfBudgetError`` (changing nothing) if they do not fit.
-        """
-        for s in storages:
-            if s.uses and not s.recomputable:
-                self.make_permanent([t.root for t in s.dependents])
-
-    def retire(self, storages: Iterable[Storage]) -> None:
-        """Call before memory that the parent ops of ``storages`` read, and the engine does not
-        own, is freed (FSDP2 freeing gathered parameters): those ops can never run again.
-
-        Every storage the program references whose rematerialization could replay one of them
-        is made resident and permanent first; one it does not reference passes the duty on to
-        its dependents. Unreferenced storages then lose their last uses and are released, so
-        no record that reads the freed memory stays alive. Cheaper than ``flush`` by what does
-        not depend on the freed memory, which keeps its lineage. Raises ``OutOfBudgetError``
-        (changing nothing) if the storages made permanent do not fit together.
-        """
-        retired = list(dict.fromkeys(s.parent for s in storages if s.parent is not None))
-        roots: List[Storage] = []
-        swapped: List[Storage] = []
-        seen = set()
-        # Every output of a retired op, not only those passed: none can be recomputed after.
-        stack = [o for rec in retired for o in rec.outputs if type(o) is Storage]
-        while stack:
-            s = stack.pop()
-            if s in seen or s.state is RELEASED:
-                continue
-            seen.add(s)
-            if s.refs > 0:
-                (swapped if s.state is SWAPPED else roots).append(s)
-            elif s.dependents:
-                stack.extend(s.dependents)
-        self.make_permanent(roots)
-        for s in swapped:  # its data is safe on the host: no need to bring it back
-            self.cut(s)
-        for rec in retired:  # whatever still lists it can never need it (see above)
-            rec.replayable = False
-        self._yielding.update(o for rec in retired for o in rec.outputs if type(o) is Storage)
-
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""
         for c in cells:
             s = c.storage
             s.locks -= 1
             if s.locks == 0 and s.refs == 0 and s.uses == 0 and s.state is not RELEASED:
-                self._release(s)
+                release(self, s)
 
     def complete(
         self,
@@ -526,7 +325,7 @@ class Runtime:
                 s2.protected, s.protected = s.protected, 0  # the same tensor for the program and a plan
                 s.forward = s2
                 if self._views_alias_data:
-                    self._carry_views(s)
+                    carry_views(s)
                 # The old version's bytes now belong to the new one: no memory is freed.
                 self._evict(s)
                 outs.append(s2)
@@ -554,7 +353,7 @@ class Runtime:
             if self.host is not None:  # the clock moved, also for an op that failed here
                 self.host.log.costs.append(rec.cost)
         if self.host is not None:
-            self._after_op()
+            self.host.after_op()
         if self.on_op is not None:
             self.on_op(self)
         return outs  # type: ignore[return-value]
@@ -612,36 +411,11 @@ class Runtime:
         if untrack is not None:
             untrack(rec, inputs, rec.outputs, ins)
 
-    # Note [Untracked records]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~
-    # A replayable record keeps four containers alive for as long as its outputs may be
-    # recomputed, often a whole forward pass: the record, its input and output lists, and the
-    # dependents dicts of its inputs (plus ``use_storages`` when it is a tuple; the driver adds
-    # its record's argument tuples). They outlive the collector's young generations, so every
-    # full collection visits them, and they bring those collections on: ~0.6 us per object per
-    # op amortized (docs/runtime.md). With ``untracked=True`` the runtime takes them out of the
-    # collector once wired (``collector``; a no-op without dtr_ext). Safe, because every cycle
-    # through them passes through the ``parent`` link of a storage the record made (an output
-    # lists its record, a dependents dict and a forward version lead to a record's output), and
-    # the runtime clears that link itself when it releases or cuts the storage (Note [Views held
-    # weakly]); for storages still in the graph at ``close``, their records' containers go back
-    # to the collector there. A runtime left open would never be collected, hence the flag: the
-    # driver always closes its runtime. A storage, which every record keeps too, is untracked
-    # only while it is in ``_all``: the runtime's dicts hold it there, so it is not garbage; it
-    # goes back to the collector as it leaves (release, an output dropped by ``_fit_outputs``)
-    # or at ``close``, so that a heuristic, a swap log or the program that still holds it may
-    # hold it in a cycle of their own, as before. Cells, wrappers and their ``Ref``s stay
-    # tracked: a ``Ref`` is a weakref with a callback, and when its wrapper dies in a garbage
-    # cycle the collector moves the ref onto its list of callbacks to call, which it can only do
-    # for a tracked object (an untracked one crashed the process: a training loop keeping a
-    # caught exception, whose traceback holds a wrapper, in a local; ``collector.untrack`` now
-    # refuses weakrefs).
-
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
         s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)
         if self._backward:
-            s.backward = True  # Note [Gradients are a last resort]
+            s.backward = True  # Note [Gradients are a last resort] in eviction.py
         self.resident[s] = None
         self._all[s] = None
         if self._untrack is not None:
@@ -659,299 +433,43 @@ class Runtime:
     @staticmethod
     def _new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
         c = Cell(s, rec, index, value)
-        _add_view(s, c)
+        s.add_view(c)
         return c
-
-    # ------------------------------------------------------------------ rematerialization
-
-    def _materialize(self, target: Cell) -> None:
-        """Define ``target`` by replaying the records it depends on, deepest first.
-
-        Iterative (a chain of thousands of evicted ops must not hit the recursion limit).
-
-        Note [Order of rematerialization]
-        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-        The DTR paper locks all of a record's inputs, then recomputes the missing ones. Done
-        depth-first, that keeps every level's inputs locked while deeper levels recompute, so
-        a chain of depth d (a running sum of gradients, an RNN's hidden state) needs d levels
-        of memory at once, and budgets it could meet fail. This is register allocation, and
-        Sethi-Ullman's order fixes it: recompute the input with the deepest recomputation
-        first, holding nothing at this level; lock each input once it is defined; then the
-        next missing one. Inputs that were already resident are not locked until the first
-        missing input is done (they are touched, so the heuristic prefers other victims); if
-        one is evicted meanwhile it is simply missing again. Every return to a record locks at
-        least one more input, so the loop always makes progress.
-        """
-        stack = [target]
-        held: dict = {}  # id(record) -> per-input flags: locked by this call for it
-        wanted: dict = {}  # input storage of a record in ``held`` -> how many read it
-        try:
-            while stack:
-                c = stack[-1]
-                if c.value is not None:
-                    stack.pop()
-                    continue
-                if c.storage.state is SWAPPED and c is c.storage.root:
-                    self._swap_in(c.storage, prefetch=False)
-                    stack.pop()
-                    continue
-                rec = c.parent
-                if rec is None or not rec.replayable or c.storage.state is RELEASED:
-                    raise AssertionError(f"dtr internal error: {c} of {c.storage} cannot be recomputed")
-                inputs = rec.inputs
-                entry = held.get(id(rec))
-                if entry is None:
-                    flags = [False] * len(inputs)
-                    held[id(rec)] = (rec, flags)
-                    for i in inputs:
-                        wanted[i.storage] = wanted.get(i.storage, 0) + 1
-                    missing = [i for i in inputs if i.value is None]
-                    if missing:
-                        now = self.clock
-                        for i in inputs:
-                            i.storage.last_access = now
-                        stack.append(_deepest(missing))
-                        continue
-                else:
-                    flags = entry[1]
-                missing = None
-                for j, i in enumerate(inputs):
-                    if i.value is None:
-                        if missing is None:
-                            missing = [i]
-                        else:
-                            missing.append(i)
-                    elif not flags[j]:
-                        i.storage.locks += 1
-                        flags[j] = True
-                if missing:
-                    stack.append(_deepest(missing))
-                    continue
-                out = c.storage
-                out.locks += 1  # its consumer has not locked it yet: keep the fit from evicting it
-                try:
-                    if self.budget is not None:
-                        self._room_for_replay(rec)
-                    self._replay(rec, wanted)
-                finally:
-                    out.locks -= 1
-                del held[id(rec)]
-                for i in inputs:
-                    i.storage.locks -= 1
-                    n = wanted[i.storage] - 1
-                    if n:
-                        wanted[i.storage] = n
-                    else:
-                        del wanted[i.storage]
-                if c.value is None:  # pragma: no cover - would be a runtime bug
-                    raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
-                stack.pop()
-        except BaseException:
-            for rec, flags in held.values():
-                for i, f in zip(rec.inputs, flags):
-                    if f:
-                        i.storage.locks -= 1
-            raise
-
-    def _room_for_replay(self, rec: OpRecord) -> None:
-        """Evict for the storages a replay of ``rec`` will bring back, before it runs: their
-        sizes are known, so the replay need not pass the budget (Invariant 1)."""
-        need = 0
-        for c in rec.outputs:
-            if type(c) is Storage and c.state is EVICTED:
-                need += c.nbytes
-        if need:
-            self.reserve(need, f"{rec.name} (recomputing an evicted tensor)")
-
-    def _replay(self, rec: OpRecord, wanted: dict) -> None:
-        if self.arriving:
-            self.arrive(rec.inputs)
-        values, cost = self.executor.replay(rec)
-        now = self.clock
-        added = False
-        brought = 0  # bytes back in memory
-        for cell, v in zip(rec.outputs, values):
-            if type(cell) is _Weak:  # a view (Note [Views held weakly])
-                cell = cell()
-            if cell is None or cell.value is not None:
-                continue
-            s = cell.storage
-            state = s.state
-            if state is RELEASED:
-                continue
-            if cell is s.root:
-                if state is EVICTED:
-                    s.state = RESIDENT
-                    self.resident[s] = None
-                    self.memory += s.nbytes
-                    self._on_materialize(s)
-                    added = True
-                    brought += s.nbytes
-                cell.value = v
-            elif state is RESIDENT or state is EXTERNAL:
-                cell.value = v
-                _add_view(s, cell)
-            s.last_access = now
-        for s in rec.use_storages:
-            s.last_access = now
-        if added:  # re-deriving a view of a resident storage is not a rematerialization
-            self._retire_old_versions(rec, wanted)
-            c = self.counters
-            c.rematerializations += 1
-            c.remat_cost += cost
-            if self.events is not None:
-                self.events.replayed(rec, cost, brought)
-            if (
-                self.max_recompute is not None
-                and c.rematerializations >= _THRASH_REPLAYS
-                and c.remat_cost > self.max_recompute * self.work
-                and self.budget is not None
-            ):
-                raise ThrashingError(self.budget, rec.name, c.rematerializations, c.remat_cost / (self.work or 1e-12))
-        if self.memory > self._high:
-            self._high = self.memory
-        if added and self.budget is not None and self.memory > self.budget:
-            self._evict_to(self.budget, f"{rec.name} (recomputing an evicted tensor)")
-
-    def _retire_old_versions(self, rec: OpRecord, wanted: dict) -> None:
-        """After replaying an in-place op: evict the old versions it rebuilt a new version
-        from, when nothing else needs them now.
-
-        Note [Old versions after a replay]
-        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-        Eagerly an in-place op reuses its storage, and ``complete`` evicts the old version
-        at once (its bytes are the new one's). A replay rebuilds the new version in fresh
-        memory, so recomputing a chain of k in-place writes (aten's GRU cell writes one
-        ``addmm`` output five times) would leave k storages resident where the program had
-        one. Old versions are read only to rebuild their successor or by ops that ran while
-        they were current, yet the heuristic scores them like live activations, and they
-        crowd out what the program still holds (docs/heuristics.md has the measurements). So
-        each goes as soon as its successor is back, as in ``complete`` (which also evicts it
-        under the lock of the op that consumed it: Invariant 2's one exception), unless
-        something in flight or held still needs it: a replay in flight has locked it for
-        itself (``_materialize`` locks every input of ``rec`` once per cell), or an evicted
-        dependent is held by the program (the eager eviction rule of ``_unreferenced``),
-        locked by the op in flight, or read by a replay in flight (``wanted``), and so about
-        to be rebuilt from it. Like ``complete``'s, these evictions are no budget decision and
-        are not counted as evictions.
-        """
-        for c in rec.inputs:
-            old = c.storage
-            new = old.forward
-            if new is None or new.parent is not rec or new.state is not RESIDENT or old.state is not RESIDENT:
-                continue
-            if not old.recomputable:  # made permanent since (Invariant 3)
-                continue
-            if old.locks != sum(1 for i in rec.inputs if i.storage is old):
-                continue
-            if any(t.state is EVICTED and (t.refs or t.locks or t in wanted) for t in old.dependents):
-                continue
-            self._evict(old)
 
     # ------------------------------------------------------------------ eviction
 
     def _evict_to(self, target: int, opname: str, best_effort: bool = False) -> None:
-        """Evict candidates (resident, unlocked, recomputable storages) with the lowest
-        score until ``memory <= target``: by (score, sid) when rescoring, within a relative
-        1e-5 of the lowest score with the candidate index (Note [Candidate index]). With
-        ``best_effort`` the caller catches the ``OutOfBudgetError`` (``reserve``), so no
-        observer snapshots the failure: under a tight budget that happens before most ops.
-
-        Storages under 1% of the mean resident size (``_small_below``) are a last resort, tried
-        only when nothing larger can go: evicting them frees next to nothing, and recomputing
-        one (a scalar loss, say) can take a long chain (the DTR prototype ignored them
-        outright). Protected storages (``protect_new``, ``protect``) come before them, after
-        every other one.
-
-        With a heuristic that defines ``key`` (every built-in) and no host tier, the candidate
-        index finds each victim (Note [Candidate index] in candidates.py): O(n) vectorized
-        plus a few ``key`` calls per eviction. Otherwise every candidate is scored once per
-        call into a heap, and a popped candidate is re-scored and re-inserted if its score grew
-        past the next one (sound because of the heuristic contract: evictions at a fixed clock
-        only raise other scores): O(n log n) for n resident storages, plus O(k log n) re-checks
-        for k evictions.
-        """
+        """Evict (or swap out) the next victim of a search until ``memory <= target``
+        (eviction.py). With ``best_effort`` the caller catches the ``OutOfBudgetError``
+        (``reserve``), so no observer snapshots the failure: under a tight budget that happens
+        before most ops."""
         if self.memory <= target:
             return
-        if self.host is None and self._keyed:
-            index = self._index
-            if index is None:
-                index = self._index = CandidateIndex(self.heuristic)
-            index.begin(self.resident, self.clock, self._small_below(), self._protected_from)
-            while self.memory > target:
-                s = index.pick()
-                if s is None:
-                    raise self._out_of_budget(target, opname, best_effort)
-                self._evict_for_budget(s)
-            return
-        now = self.clock
         host = self.host
-        score = self._score if host is None else self._swap_or_evict_key
-        small_below = self._small_below()
-        protected_from = self._protected_from
-        heap: list = []
-        small: list = []
-        protected: list = []
-        for s in self.resident:
-            if s.locks == 0:
-                rec = s.parent
-                if (rec is not None and rec.replayable) or host is not None:
-                    tier = (protected if s.protected or s.backward or s.sid >= protected_from
-                            else heap if s.nbytes >= small_below else small)
-                    tier.append((score(s, now), s.sid, s))
-        heapify(heap)
-        later = [small, protected]  # the last resorts, popped from the end
+        if host is None and self._keyed:
+            search = self._index
+            if search is None:
+                search = self._index = CandidateIndex(self.heuristic)
+        else:
+            search = Rescoring(self._score, host)
+        search.begin(self.resident, self.clock, self._small_below(), self._protected_from)
         while self.memory > target:
-            while True:
-                if not heap:
-                    if not later:
-                        if self._outgoing:  # copies out in flight: wait for one, then go on
-                            self._poll_outgoing(wait=True)
-                            if self.memory <= target:
-                                return
-                            continue
-                        raise self._out_of_budget(target, opname, best_effort)
-                    heap = later.pop()
-                    heapify(heap)
+            s = search.pick()
+            if s is None:
+                if host is not None and host.outgoing:  # copies out in flight: wait for one
+                    host.poll_outgoing(wait=True)
                     continue
-                old, sid, s = heappop(heap)
-                if s.state is not RESIDENT or s.locks:
-                    continue
-                cur = score(s, now)
-                if cur == _NEVER:
-                    continue
-                if cur > old and heap and (cur, sid) > heap[0][:2]:
-                    heappush(heap, (cur, sid, s))
-                    continue
-                break
-            if host is not None and self._prefers_swap(s, now):
-                self._swap_out(s)
+                raise out_of_budget(self, target, opname, best_effort)
+            if host is not None and search.swaps(s):
+                host.swap_out(s)
             else:
                 self._evict_for_budget(s)
 
     def _small_below(self) -> float:
-        """The size under which a storage is a last-resort candidate: 1% of the mean resident
-        storage. O(1)."""
+        """The size under which a storage is in the SMALL tier (Note [Eviction tiers]): 1% of
+        the mean resident storage. O(1)."""
         n = len(self.resident)
         return (self.memory - self.held_bytes) / (100 * n) if n else 0.0
-
-    def _swap_or_evict_key(self, s: Storage, now: int) -> float:
-        """With a host tier: the lower of the heuristic's score (if ``s`` can be recomputed) and
-        the swap's, transfer time per byte and staleness (if the host has room); Note [Swap or
-        evict] in swap.py."""
-        return min(self._evict_key(s, now), self._swap_key(s, now))
-
-    def _evict_key(self, s: Storage, now: int) -> float:
-        return self._score(s, now) if s.recomputable else _NEVER
-
-    def _swap_key(self, s: Storage, now: int) -> float:
-        if not self.host.fits(s.nbytes):
-            return _NEVER
-        return self.host.swap_cost(s.nbytes) / ((s.nbytes or 1) * (now - s.last_access + 1))
-
-    def _prefers_swap(self, s: Storage, now: int) -> bool:
-        swap = self._swap_key(s, now)
-        return swap != _NEVER and swap < self._evict_key(s, now)
 
     def _settle(self) -> None:
         """After a failure, evict what the failed op had locked until back under the budget
@@ -978,6 +496,29 @@ class Runtime:
         self._drop_values(s)
         self._on_evict(s)
 
+    # The primitives the host tier changes the runtime's state with.
+
+    def _charge(self, nbytes: int) -> None:
+        self.memory += nbytes
+        if self.memory > self._high:
+            self._high = self.memory
+
+    def _uncharge(self, nbytes: int) -> None:
+        self.memory -= nbytes
+
+    def _load(self, s: Storage, value: Any) -> None:
+        """``s`` is back in memory with ``value`` (charged by the caller)."""
+        s.state = RESIDENT
+        self.resident[s] = None
+        s.value = value
+        s.last_access = self.clock
+
+    def _unload(self, s: Storage, state: State) -> None:
+        """``s`` leaves memory for ``state`` (uncharged by the caller)."""
+        del self.resident[s]
+        s.state = state
+        self._drop_values(s)
+
     def _drop_values(self, s: Storage) -> None:
         if self.arriving:
             self.arriving.pop(s, None)  # never read: nothing waits for its copy
@@ -988,195 +529,38 @@ class Runtime:
                 c.value = None
         s.views = ()
 
-    def _out_of_budget(self, target: int, opname: str, best_effort: bool = False) -> OutOfBudgetError:
-        locked = unrecomputable = 0
-        for s in self.resident:
-            if s.locks:
-                locked += s.nbytes
-            elif not s.recomputable:
-                unrecomputable += s.nbytes
-        needed = locked + unrecomputable + self.held_bytes + self.outside
-        detail = (
-            f"{locked} bytes are locked (inputs and outputs of the operations in flight), "
-            f"{unrecomputable} bytes cannot be recomputed (no replayable lineage) and "
-            f"{self.held_bytes} bytes are gradients made in this block (charged until it ends)."
-        )
-        if self.outside:
-            detail += (
-                f" Besides, {self.outside} bytes outside the engine count against the total limit "
-                "(dtr.budget(total=True)): tensors from before the block."
-            )
-        error = OutOfBudgetError(needed, target + self.outside, opname, detail)
-        if self.events is not None and not best_effort:  # a caller that swallows it: no snapshot
-            self.events.out_of_budget(error, self)
-        return error
+    # ------------------------------------------------------------------ lineage (lineage.py)
 
-    # ------------------------------------------------------------------ host tier
+    def before_write(self, storages: Iterable[Storage]) -> None:
+        """Call before an op writes ``storages`` in place (``lineage.before_write``)."""
+        lineage.before_write(self, storages)
 
-    def _swap_out(self, s: Storage) -> None:
-        """Copy ``s`` to the host tier instead of evicting it (Note [Swap or evict])."""
-        pending = self.arriving.pop(s, None)
-        if pending is not None:  # prefetched, never read: its copy back lands before this copy out
-            self.executor.arrive(pending)
-        handle = self.executor.swap_out(s.value)
-        del self.resident[s]
-        s.state = SWAPPED
-        self._drop_values(s)
-        self.host.add(s, handle)
-        c = self.counters
-        c.swaps_out += 1
-        c.swap_bytes_out += s.nbytes
-        if self.executor.swap_done(handle):
-            self.memory -= s.nbytes
-        else:  # its memory is still read by the copy: charged until it is done
-            self._outgoing.append(s)
+    def retire(self, storages: Iterable[Storage]) -> None:
+        """Call before memory that the parent ops of ``storages`` read, and the engine does not
+        own, is freed: those ops can never run again (``lineage.retire``)."""
+        lineage.retire(self, storages)
 
-    def _poll_outgoing(self, wait: bool = False) -> None:
-        """Stop charging swapped-out storages whose copy has finished (with ``wait``: the
-        oldest one at least, waiting for it)."""
-        done = []
-        for i, s in enumerate(self._outgoing):
-            handle = self.host.handles.get(s)
-            if handle is None or self.executor.swap_done(handle):
-                done.append(i)
-            elif wait and not done:
-                self.executor.swap_wait(handle)
-                done.append(i)
-        for i in reversed(done):
-            self.memory -= self._outgoing.pop(i).nbytes
+    def flush(self) -> None:
+        """Make every storage the program still references resident, and cut its lineage
+        (``lineage.flush``)."""
+        lineage.flush(self)
 
-    def _swap_in(self, s: Storage, prefetch: bool) -> None:
-        if prefetch:
-            value, self.arriving[s] = self.executor.prefetch(self.host.handles[s])
-            waited = 0.0
-        else:
-            value, waited = self.executor.swap_in(self.host.handles[s])
-        if s in self._outgoing:  # back before its copy out was done: it was never freed
-            self._outgoing.remove(s)
-        else:
-            self.memory += s.nbytes
-        self.host.remove(s)
-        s.state = RESIDENT
-        self.resident[s] = None
-        s.value = value
-        s.last_access = self.clock
-        c = self.counters
-        c.swap_bytes_in += s.nbytes
-        if prefetch:
-            c.prefetches += 1
-        else:
-            c.swaps_in += 1
-            c.swap_stall += waited
-            self.host.log.swap_ins.append((self.clock, s.sid, s.nbytes))
-        if self.memory > self._high:
-            self._high = self.memory
-        if not prefetch and self.budget is not None and self.memory > self.budget:
-            s.locks += 1  # its reader has not locked it yet
-            try:
-                self._evict_to(self.budget, "swapping a tensor back in")
-            finally:
-                s.locks -= 1
+    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
+        """Make these storages resident together, then cut their lineage
+        (``lineage.make_permanent``)."""
+        lineage.make_permanent(self, roots, yielding)
 
-    def _leave_host(self, s: Storage) -> None:
-        if s in self._outgoing:
-            self._outgoing.remove(s)
-            self.memory -= s.nbytes
-        self.host.remove(s)
-
-    def _after_op(self) -> None:
-        """Prefetch what the previous block needed next, as soon as it fits without evicting
-        anything."""
-        host = self.host
-        if self._outgoing:
-            self._poll_outgoing()
-        due = host.due(self.clock)
-        if due:
-            host.waiting += due
-            host.waiting.sort(key=_by_need)
-        if host.waiting:
-            keep = []
-            for s, need in host.waiting:
-                if s.state is not SWAPPED:  # back already, or gone
-                    continue
-                if self.budget is not None and self.memory + s.nbytes > self.budget:
-                    keep.append((s, need))
-                    continue
-                self._swap_in(s, prefetch=True)
-                host.prefetched(s, need, self.clock)
-            host.waiting = keep
-
-    # ------------------------------------------------------------------ release
-
-    def _release(self, s: Storage) -> None:
-        """Drop ``s`` from the graph, then whatever only it kept alive (iteratively)."""
-        work = [s]
-        while work:
-            s = work.pop()
-            if s.state is RELEASED or s.refs or s.uses or s.locks:
-                continue
-            if s.state is RESIDENT:
-                del self.resident[s]
-                self.memory -= s.nbytes
-            elif s.state is SWAPPED:
-                self._leave_host(s)
-            s.state = RELEASED
-            self._leave_graph(s)
-            rec = s.parent
-            try:
-                self._on_release(s)  # may read s.parent (h_DTR^eq lowers its inputs' keys)
-            finally:
-                # Its parent lists it as an output: break that cycle so that reference
-                # counting frees both now, not the cyclic collector later (views make none:
-                # Note [Views held weakly]), also if the heuristic raised: the record may be
-                # untracked (Note [Untracked records]), and ``s`` is no longer in the graph.
-                s.parent = None
-            self._drop_values(s)
-            s.views = ()
-            if rec is not None:
-                for i in rec.use_storages:
-                    if i.dependents:
-                        i.dependents.pop(s, None)
-                self._lose_output(rec, work)
-
-    def _lose_output(self, rec: OpRecord, work: list) -> None:
-        """One of ``rec``'s output storages no longer names it as parent."""
-        rec.live -= 1
-        if rec.live:
-            return
-        for i in rec.use_storages:
-            i.uses -= 1
-            if i.uses == 0 and i.refs == 0 and not i.locks:
-                work.append(i)
-        rec.use_storages = ()
-        self.executor.forget(rec)
+    def extract(self, cell: Cell) -> Any:
+        """Hand ``cell``'s storage to the program, resident and no longer charged; returns its
+        value (``lineage.extract``)."""
+        return lineage.extract(self, cell)
 
     # ------------------------------------------------------------------ last resorts
 
     def set_backward(self, on: bool) -> None:
         """Say whether the program's ops now run in a backward pass (the driver calls it when
         that changes): storages made while ``on`` are a last resort of eviction for as long
-        as they live.
-
-        Note [Gradients are a last resort]
-        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-        What a backward pass makes is gradients, and their lineage runs through the
-        gradients before them, which die as soon as they are consumed: recomputing one
-        replays the backward pass down to it, and the forward ops that pass read, where
-        recomputing an activation replays forward ops from the nearest resident ancestor.
-        The heuristics cannot see the difference. In a backward pass the dead forward pass
-        and the dead gradients form one evicted neighbourhood, which every candidate
-        borders, so h_DTR^eq's cost term is the same for all of them and the oldest go
-        first: the gradients a multi-input node waits for (``nn.GRU``'s per-step input-gate
-        gradients, all read by one ``stack`` at the end; a tree node's children's). So
-        they are a last resort for life (``Storage.backward``; the tier of ``protect``):
-        evicted only when no activation of ordinary size can go. On the shipped traces this
-        changes nothing for the feed-forward models and saves recurrent ones from thrashing
-        (docs/heuristics.md).
-        Forward ops that run inside a backward pass (``torch.utils.checkpoint`` recomputing a
-        segment, ``torch.autograd.grad`` called by a hook) are marked too; their results are
-        read within the pass. It subsumes a plan's ``protect_new`` window over a stage's
-        backward (Note [Seeding]): what the stage made stays a last resort after the window.
-        """
+        as they live (Note [Gradients are a last resort] in eviction.py)."""
         self._backward = on
 
     def protect_new(self, on: bool) -> None:
@@ -1185,13 +569,13 @@ class Runtime:
         plan's backward stage keeps what it makes (its input's gradient above all) until the
         stage ends, as the plan's accounting assumed. Each call with ``on`` starts a new
         protection window; ``on=False`` ends it."""
-        self._protected_from = self.next_sid if on else _NEVER
+        self._protected_from = self.next_sid if on else _CLOSED
 
     def protect(self, storages: Iterable[Storage]) -> None:
-        """Make ``storages`` a last resort of eviction, as ``protect_new`` does for new ones,
-        until ``unprotect``: what a plan holds that the heuristic should leave alone if it can
-        (checkpoints, a whole stage's tape: pinning them made budgets infeasible). Protections
-        nest, and follow a storage to its newest version (Note [Versions])."""
+        """Make ``storages`` PROTECTED (Note [Eviction tiers]), as ``protect_new`` does for new
+        ones, until ``unprotect``: what a plan holds that the heuristic should leave alone if it
+        can (checkpoints, a whole stage's tape; pinning them would make budgets infeasible).
+        Protections nest, and follow a storage to its newest version (Note [Versions])."""
         for s in storages:
             while s.forward is not None:
                 s = s.forward
@@ -1214,65 +598,6 @@ class Runtime:
                 self._evict_for_budget(s)
                 freed += s.nbytes
         return freed
-
-    def cut(self, s: Storage) -> None:
-        """Make ``s`` permanent: drop its parent so its ancestors can be released."""
-        rec = s.parent
-        if rec is None:
-            return
-        s.parent = None
-        for i in rec.use_storages:
-            if i.dependents:
-                i.dependents.pop(s, None)
-        work: list = []
-        self._lose_output(rec, work)
-        for i in work:
-            self._release(i)
-
-    def flush(self) -> None:
-        """Make every storage the program still references resident, and cut its lineage.
-
-        Needed when recorded ops can no longer be replayed faithfully (parameters are about to
-        change) and at block exit. Raises ``OutOfBudgetError`` (with nothing cut) if they do
-        not fit in the budget together.
-        """
-        live = [s for s in self._all if s.refs > 0]
-        self.make_permanent([s.root for s in live if s.state is not SWAPPED])
-        for s in live:
-            if s.state is SWAPPED:  # its data is safe on the host: no need to bring it back
-                self.cut(s)
-        self.counters.flushes += 1
-
-    def make_permanent(self, roots: List[Cell], yielding: bool = False) -> None:
-        """Make these storages resident together, then cut their lineage (or raise
-        ``OutOfBudgetError`` with nothing cut). They stay charged and are never evicted
-        (swapped at most): for what recomputing would cost more than keeping, such as a sum
-        of gradients (Note [Accumulation in place] in dtr/eager/accumulation.py). With
-        ``yielding``, each gives way to its dependents once the program drops it
-        (``_unreferenced``)."""
-        self.acquire(roots)
-        try:
-            for c in roots:
-                self.cut(c.storage)
-                if yielding:
-                    self._yielding.add(c.storage)
-        finally:
-            self.unlock(roots)
-
-    def extract(self, cell: Cell) -> Any:
-        """Hand ``cell``'s storage to the program: make it resident, stop charging and
-        evicting it (state EXTERNAL), drop its lineage. Returns the cell's value."""
-        self.acquire([cell])
-        try:
-            s = cell.storage
-            if s.state is RESIDENT:
-                del self.resident[s]
-                self.memory -= s.nbytes
-                s.state = EXTERNAL
-                self.cut(s)
-            return cell.value
-        finally:
-            self.unlock([cell])
 
     def reserve(self, nbytes: int, opname: str) -> None:
         """Make room for ``nbytes`` of outputs an op is about to make (its inputs locked):
@@ -1339,14 +664,10 @@ class Runtime:
             self.budget = saved
             self.closed = True
             self._backward = False
-            # Values that outlive the block must be readable, also when it ended in an error.
-            for pending in self.arriving.values():
-                self.executor.arrive(pending)
-            self.arriving.clear()
             if self.host is not None:
-                self.host.log.seal()  # the log outlives the block: it drops its storages
+                self.host.land()
             if self._untrack is not None:
-                self._give_back()
+                collector.give_back(self._all)
         self._refs.clear()
         self.resident.clear()
         self._all.clear()
@@ -1360,22 +681,7 @@ class Runtime:
         self.held.clear()
         self.held_bytes = 0
         if self.host is not None:
-            self.host.handles.clear()
-            self.host.by_sid.clear()
-            self.host.bytes = 0
-            self._outgoing.clear()
-
-    def _give_back(self) -> None:
-        """Return the storages still in the graph and the containers of their records to the
-        cyclic collector (Note [Untracked records])."""
-        track = collector.track
-        for s in self._all:
-            track(s)
-            rec = s.parent
-            if rec is not None:
-                track(rec, rec.inputs, rec.outputs, rec.use_storages)
-            if s.dependents:
-                track(s.dependents)
+            self.host.clear()
 
     # ------------------------------------------------------------------ introspection
 
@@ -1399,64 +705,6 @@ class Runtime:
         return made
 
     def check_invariants(self) -> None:
-        """Assert the invariants of the module docstring. O(graph); for tests."""
-        memory = sum(s.nbytes for s in self._outgoing) + self.held_bytes
-        assert self.held_bytes == sum(self.held.values()), "held bytes disagree with their keys"
-        for s in self.resident:
-            assert s.state is RESIDENT, f"{s} is in the resident set"
-            memory += s.nbytes
-        assert memory == self.memory, f"memory {self.memory} != sum of resident {memory}"
-        for s in self.arriving:  # Note [Arrival]: only resident values can be in flight
-            assert s.state is RESIDENT and s.value is not None, f"{s} is arriving but not resident"
-        for s in self._all:
-            assert s.state is not RELEASED, f"{s} is released but still registered"
-            assert s.locks == 0, f"{s} is still locked between ops"
-            assert s.refs >= 0 and s.uses >= 0, f"{s} has a negative count"
-            assert (s.state is RESIDENT) == (s in self.resident), f"{s} resident set mismatch"
-            if s.state is EVICTED:
-                assert s.value is None, f"{s} is evicted but its root holds a value"
-                rec = s.parent
-                assert rec is not None and rec.replayable, f"{s} is evicted but cannot be recomputed"
-                for i in rec.use_storages:
-                    assert i.state is not RELEASED, f"{s} needs {i}, which was released"
-            elif s.state is SWAPPED:
-                assert s.value is None, f"{s} is swapped but its root holds a value"
-                assert s in self.host.handles, f"{s} is swapped but the host tier has no copy of it"
-            else:
-                assert s.value is not None, f"{s} is {s.state.name} but its root is undefined"
-            if s.refs == 0 and s.uses == 0:
-                raise AssertionError(f"{s} is unreferenced and unused but was not released")
-            if s.state is EVICTED or s.state is SWAPPED:  # Invariant 5 (handed-out ones keep theirs)
-                for w in s.views:
-                    c = w()
-                    assert c is None or c.value is None, f"a view of {s} is defined"
-            rec = s.parent
-            if rec is not None:
-                assert rec.live > 0, f"{rec} is the parent of {s} but counts no live output"
-                for i in rec.use_storages:
-                    assert i.dependents and s in i.dependents, f"{s} is missing from the dependents of {i}"
-        counted: dict = {}
-        for s in self._all:
-            rec = s.parent
-            if rec is not None and id(rec) not in counted:
-                counted[id(rec)] = rec
-        uses: dict = {}
-        for rec in counted.values():
-            for i in rec.use_storages:
-                uses[i] = uses.get(i, 0) + 1
-        for s in self._all:
-            assert s.uses == uses.get(s, 0), f"{s} counts {s.uses} uses, the graph has {uses.get(s, 0)}"
-        if self.host is not None:
-            swapped = sum(s.nbytes for s in self._all if s.state is SWAPPED)
-            assert swapped == self.host.bytes, f"host tier counts {self.host.bytes} bytes, swapped storages {swapped}"
-            if self.host.limit is not None:
-                assert self.host.bytes <= self.host.limit, "host tier over its limit"
-        if self.budget is not None:
-            assert self.memory <= self.budget, (
-                f"resident {self.memory} bytes exceed the budget {self.budget} between ops"
-            )
-        if self._index is not None:
-            self._index.check(self.resident)
-        check = getattr(self.heuristic, "check_invariants", None)
-        if check is not None:
-            check(self)
+        """Assert the invariants of the module docstring (``invariants.check``). O(graph); for
+        tests."""
+        invariants.check(self)

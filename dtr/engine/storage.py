@@ -4,8 +4,8 @@ Note [Three levels]
 ~~~~~~~~~~~~~~~~~~~
 - A ``Storage`` is one allocation: the unit of accounting, eviction, locking and reference
   counting. It is also its own *root* cell (``s.root is s``): the tensor its parent op
-  computed. (A separate root object was one more object per op for the cyclic collector to
-  visit, and one more cycle to break.)
+  computed. (A separate root object would be one more object per op for the cyclic collector
+  to visit, and one more cycle to break.)
 - A *cell* is one tensor over a storage: the root, or a ``Cell``, a view derived from another
   cell of the same storage by a view op. Both have ``storage``, ``parent``, ``index``,
   ``value`` and ``forward``. A cell is *defined* when its ``value`` is set. Evicting a
@@ -30,9 +30,9 @@ Note [Views held weakly]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A view cell names its record as parent, and the record lists its outputs: a reference cycle
 per view, which reference counting never frees. Views come and go with the program (autograd
-takes ``y.t()`` in every matmul backward), and the cyclic collector reclaiming them cost as
-much as the rest of the engine (measured: ~20 us per op in a 1,000-layer forward + backward
-with torch's usual heap, mostly full collections over every object of the process). So a
+takes ``y.t()`` in every matmul backward), and the cyclic collector reclaiming them costs as
+much as the rest of the engine (~20 us per op in a 1,000-layer forward + backward with
+torch's usual heap, mostly full collections over every object of the process). So a
 record holds its view outputs through weak references: a view cell lives while the program
 holds it, or a view derived from it, and dies with its last wrapper. A root cell's cycle
 (storage, root, record) is broken when the storage is released.
@@ -46,7 +46,9 @@ import enum
 import weakref
 from typing import Any, List, Optional, Sequence, Union
 
-__all__ = ["State", "Storage", "Cell", "OpRecord"]
+__all__ = ["State", "Storage", "Cell", "OpRecord", "carry_views", "translate"]
+
+_weak = weakref.ref
 
 
 class State(enum.IntEnum):
@@ -64,6 +66,14 @@ class State(enum.IntEnum):
     SWAPPED = 4
     """Copied to the host tier (``dtr.budget(..., swap=True)``): not counted against the
     budget, brought back on access (engine/host_tier.py)."""
+
+
+# The states under their own names, for the engine's modules that test them in loops.
+RESIDENT = State.RESIDENT
+EVICTED = State.EVICTED
+EXTERNAL = State.EXTERNAL
+RELEASED = State.RELEASED
+SWAPPED = State.SWAPPED
 
 
 class Storage:
@@ -111,7 +121,7 @@ class Storage:
         self.runtime = runtime
         self.sid = sid
         self.nbytes = nbytes
-        self.state = State.RESIDENT
+        self.state = RESIDENT
         self.locks = 0
         self.refs = 0
         self.uses = 0
@@ -132,8 +142,9 @@ class Storage:
         self.forward: Optional[Storage] = None
         self.hdata: Any = None  # owned by the heuristic (e.g. a union-find node)
         self.slot: Optional[int] = None  # its row in the runtime's candidate index, if any
-        self.protected = 0  # protections held (Runtime.protect): a last resort of eviction
-        # Made in a backward pass (Runtime.set_backward): a last resort of eviction for life.
+        # Protections held (Runtime.protect), and whether it was made in a backward pass
+        # (Runtime.set_backward): what its eviction tier depends on (eviction.tier).
+        self.protected = 0
         self.backward = False
 
     @property
@@ -150,6 +161,15 @@ class Storage:
     def recomputable(self) -> bool:
         rec = self.parent
         return rec is not None and rec.replayable
+
+    def add_view(self, c: "Cell") -> None:
+        """Remember a defined view cell (weakly), so that eviction can undefine it."""
+        views = self.views
+        if not views:
+            views = self.views = []
+        views.append(_weak(c))  # the record's own weak reference to ``c``, if it has one
+        if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
+            views[:] = [w for w in views if w() is not None]
 
     def deps(self) -> Sequence["Storage"]:
         """Storages this one is computed from (excluding itself)."""
@@ -233,3 +253,37 @@ class OpRecord:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, {len(self.inputs)} in, {len(self.outputs)} out)"
+
+
+def translate(cell: Union[Storage, Cell]) -> None:
+    """Give ``cell`` (on S) its counterpart on S's next version, replaying the same views
+    (Note [Versions])."""
+    s2 = cell.storage.forward
+    chain = []
+    c = cell
+    while c.forward is None:  # the root's is the new version itself: the walk stops there
+        chain.append(c)
+        c = c.parent.inputs[0]
+    base = c.forward
+    for c in reversed(chain):
+        rec = c.parent
+        rec2 = rec.retarget([base])
+        rec2.outputs = [None] * len(rec.outputs)
+        c2 = Cell(s2, rec2, c.index, None)
+        rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
+        c.forward = c2
+        base = c2
+
+
+def carry_views(s: Storage) -> None:
+    """Before ``s`` becomes an old version, give its defined views counterparts on the new
+    version holding the same values (the data was changed in place, so they are current),
+    sparing a replay of each view when the program touches it next."""
+    s2 = s.forward
+    for w in s.views:
+        c = w()
+        if c is not None and c.value is not None and c.forward is None:
+            translate(c)
+            c2 = c.forward
+            c2.value = c.value
+            s2.add_view(c2)

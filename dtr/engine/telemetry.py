@@ -3,40 +3,52 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Dict, Optional
 
 __all__ = ["Counters", "Stats"]
 
 
 class Counters:
-    """Monotone event counts of one runtime (one ``dtr.budget`` block)."""
+    """Monotone event counts of one runtime (one ``dtr.budget`` block), or their sum over
+    blocks (``add``). Each is named as the ``Stats`` field it becomes (``fields``); ``dtr.simulate``
+    reads the same sums into ``SimResult``."""
 
     __slots__ = (
         "evictions",
         "eager_evictions",
         "rematerializations",
-        "remat_cost",
+        "remat_seconds",
         "flushes",
         "swaps_out",
         "swaps_in",
         "prefetches",
         "swap_bytes_out",
         "swap_bytes_in",
-        "swap_stall",
+        "swap_stall_seconds",
     )
 
     def __init__(self) -> None:
         self.evictions = 0
         self.eager_evictions = 0
         self.rematerializations = 0
-        self.remat_cost = 0.0
+        self.remat_seconds = 0.0
         self.flushes = 0
         self.swaps_out = 0
         self.swaps_in = 0  # synchronous: the program waited for them
         self.prefetches = 0  # swap-ins ahead of need
         self.swap_bytes_out = 0
         self.swap_bytes_in = 0
-        self.swap_stall = 0.0
+        self.swap_stall_seconds = 0.0
+
+    def add(self, other: "Counters") -> "Counters":
+        """Add ``other``'s counts to these; returns ``self``."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+    def fields(self) -> Dict[str, Any]:
+        """The counts by name, as ``Stats`` takes them."""
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from dtr.config import parse_bytes
-from dtr.engine import Heuristic, OpRecord, Runtime, make_heuristic
+from dtr.engine import Counters, Heuristic, OpRecord, Runtime, make_heuristic
 from dtr.engine.host_tier import HostTier
 from dtr.errors import OutOfBudgetError
 from dtr.sim.trace import CALLS, CELL, CELLS, VALUE, Trace, load
@@ -155,29 +155,23 @@ def simulate(
         raise ValueError("dtr.simulate: bandwidth and host_limit apply to swapping; pass swap=True")
     host_bytes = parse_bytes(host_limit)
     log = None
-    swapped = [0, 0, 0]  # out, in, prefetched
+    counts = Counters()
     stall = 0.0
-    base = remat = 0.0
-    peak = evictions = eager = remats = 0
+    base = 0.0
+    peak = 0
     error = None
     for block in tr.blocks:
-        rt = Runtime(limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute)
-        if swap:
-            rt.host = HostTier(bandwidth, host_bytes, log)
+        host = HostTier(bandwidth, host_bytes, log) if swap else None
+        rt = Runtime(
+            limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host
+        )
         try:
             base += run_block(rt, block)
         except OutOfBudgetError as e:
             error = str(e)
         finally:
-            c = rt.counters
-            remat += c.remat_cost
+            counts.add(rt.counters)
             peak = max(peak, rt.peak)
-            evictions += c.evictions
-            eager += c.eager_evictions
-            remats += c.rematerializations
-            swapped[0] += c.swaps_out
-            swapped[1] += c.swaps_in
-            swapped[2] += c.prefetches
             if rt.host is not None:
                 log = rt.host.log
                 stall += sum(n for _, _, n in log.swap_ins) / bandwidth + rt.host.late_seconds
@@ -185,17 +179,17 @@ def simulate(
             break
     return SimResult(
         feasible=error is None,
-        total_cost=base + remat + stall,
-        remat_cost=remat,
+        total_cost=base + counts.remat_seconds + stall,
+        remat_cost=counts.remat_seconds,
         peak_bytes=peak,
-        evictions=evictions,
-        rematerializations=remats,
+        evictions=counts.evictions,
+        rematerializations=counts.rematerializations,
         base_cost=base,
-        eager_evictions=eager,
+        eager_evictions=counts.eager_evictions,
         error=error,
-        swaps_out=swapped[0],
-        swaps_in=swapped[1],
-        prefetches=swapped[2],
+        swaps_out=counts.swaps_out,
+        swaps_in=counts.swaps_in,
+        prefetches=counts.prefetches,
         swap_stall=stall,
     )
 

@@ -1,0 +1,240 @@
+"""Rematerialization: defining an evicted or swapped cell again by replaying the records it
+depends on, under the budget.
+
+Functions of the runtime (``materialize(rt, cell)``, called by ``Runtime.acquire``), not a class:
+every piece of state they read and change (the resident set, charged bytes, locks, counters)
+is the runtime's, and a second object would only be a second name for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, List
+
+from dtr.engine.storage import (
+    EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage,
+)
+from dtr.errors import ThrashingError
+
+if TYPE_CHECKING:
+    from dtr.engine.runtime import Runtime
+
+__all__ = ["materialize"]
+
+_Weak = weakref.ReferenceType
+
+# Note [Thrashing]
+# ~~~~~~~~~~~~~~~~
+# Below a model's lowest workable budget DTR thrashes: each replay evicts what the next one
+# needs, and a step that takes a second eagerly runs for minutes or hours (a child-sum TreeLSTM
+# at half its peak ran for 50 minutes; a GRUCell loop at 0.3 took 17.7 minutes). The runtime
+# compares the cost of its replays with the cost of the block's own ops (``work``, the same
+# measure) and raises ``ThrashingError``, an ``OutOfBudgetError``, once the ratio passes
+# ``max_recompute`` (``dtr.budget``'s default: 10; the DTR paper's curves stay under 3x above
+# their knee). Not before ``_THRASH_REPLAYS`` replays: early in a block the work is small and a
+# few replays would pass any ratio. The check sits where ``_replay`` counts a replay, so it costs
+# nothing per op. Raising there unwinds like any failure in a rematerialization (locks
+# released, evictions kept), and ``close`` lifts the budget, so nothing is left half done.
+_THRASH_REPLAYS = 1000
+
+
+def materialize(rt: Runtime, target: Cell) -> None:
+    """Define ``target`` by replaying the records it depends on, deepest first.
+
+    Iterative (a chain of thousands of evicted ops must not hit the recursion limit).
+
+    Note [Order of rematerialization]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The DTR paper locks all of a record's inputs, then recomputes the missing ones. Done
+    depth-first, that keeps every level's inputs locked while deeper levels recompute, so
+    a chain of depth d (a running sum of gradients, an RNN's hidden state) needs d levels
+    of memory at once, and budgets it could meet fail. This is register allocation, and
+    Sethi-Ullman's order fixes it: recompute the input with the deepest recomputation
+    first, holding nothing at this level; lock each input once it is defined; then the
+    next missing one. Inputs that were already resident are not locked until the first
+    missing input is done (they are touched, so the heuristic prefers other victims); if
+    one is evicted meanwhile it is simply missing again. Every return to a record locks at
+    least one more input, so the loop always makes progress.
+    """
+    stack = [target]
+    held: dict = {}  # id(record) -> per-input flags: locked by this call for it
+    wanted: dict = {}  # input storage of a record in ``held`` -> how many read it
+    try:
+        while stack:
+            c = stack[-1]
+            if c.value is not None:
+                stack.pop()
+                continue
+            if c.storage.state is SWAPPED and c is c.storage.root:
+                rt.host.swap_in(c.storage, prefetch=False)  # type: ignore[union-attr]
+                stack.pop()
+                continue
+            rec = c.parent
+            if rec is None or not rec.replayable or c.storage.state is RELEASED:
+                raise AssertionError(f"dtr internal error: {c} of {c.storage} cannot be recomputed")
+            inputs = rec.inputs
+            entry = held.get(id(rec))
+            if entry is None:
+                flags = [False] * len(inputs)
+                held[id(rec)] = (rec, flags)
+                for i in inputs:
+                    wanted[i.storage] = wanted.get(i.storage, 0) + 1
+                missing = [i for i in inputs if i.value is None]
+                if missing:
+                    now = rt.clock
+                    for i in inputs:
+                        i.storage.last_access = now
+                    stack.append(_deepest(missing))
+                    continue
+            else:
+                flags = entry[1]
+            missing = None
+            for j, i in enumerate(inputs):
+                if i.value is None:
+                    if missing is None:
+                        missing = [i]
+                    else:
+                        missing.append(i)
+                elif not flags[j]:
+                    i.storage.locks += 1
+                    flags[j] = True
+            if missing:
+                stack.append(_deepest(missing))
+                continue
+            out = c.storage
+            out.locks += 1  # its consumer has not locked it yet: keep the fit from evicting it
+            try:
+                if rt.budget is not None:
+                    _room_for_replay(rt, rec)
+                _replay(rt, rec, wanted)
+            finally:
+                out.locks -= 1
+            del held[id(rec)]
+            for i in inputs:
+                i.storage.locks -= 1
+                n = wanted[i.storage] - 1
+                if n:
+                    wanted[i.storage] = n
+                else:
+                    del wanted[i.storage]
+            if c.value is None:  # pragma: no cover - would be a runtime bug
+                raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
+            stack.pop()
+    except BaseException:
+        for rec, flags in held.values():
+            for i, f in zip(rec.inputs, flags):
+                if f:
+                    i.storage.locks -= 1
+        raise
+
+
+def _room_for_replay(rt: Runtime, rec: OpRecord) -> None:
+    """Evict for the storages a replay of ``rec`` will bring back, before it runs: their
+    sizes are known, so the replay need not pass the budget (Invariant 1)."""
+    need = 0
+    for c in rec.outputs:
+        if type(c) is Storage and c.state is EVICTED:
+            need += c.nbytes
+    if need:
+        rt.reserve(need, f"{rec.name} (recomputing an evicted tensor)")
+
+
+def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
+    if rt.arriving:
+        rt.arrive(rec.inputs)
+    values, cost = rt.executor.replay(rec)
+    now = rt.clock
+    added = False
+    brought = 0  # bytes back in memory
+    for cell, v in zip(rec.outputs, values):
+        if type(cell) is _Weak:  # a view (Note [Views held weakly])
+            cell = cell()
+        if cell is None or cell.value is not None:
+            continue
+        s = cell.storage
+        state = s.state
+        if state is RELEASED:
+            continue
+        if cell is s.root:
+            if state is EVICTED:
+                s.state = RESIDENT
+                rt.resident[s] = None
+                rt.memory += s.nbytes
+                rt._on_materialize(s)
+                added = True
+                brought += s.nbytes
+            cell.value = v
+        elif state is RESIDENT or state is EXTERNAL:
+            cell.value = v
+            s.add_view(cell)
+        s.last_access = now
+    for s in rec.use_storages:
+        s.last_access = now
+    if added:  # re-deriving a view of a resident storage is not a rematerialization
+        _retire_old_versions(rt, rec, wanted)
+        c = rt.counters
+        c.rematerializations += 1
+        c.remat_seconds += cost
+        if rt.events is not None:
+            rt.events.replayed(rec, cost, brought)
+        if (
+            rt.max_recompute is not None
+            and c.rematerializations >= _THRASH_REPLAYS
+            and c.remat_seconds > rt.max_recompute * rt.work
+            and rt.budget is not None
+        ):
+            raise ThrashingError(rt.budget, rec.name, c.rematerializations, c.remat_seconds / (rt.work or 1e-12))
+    if rt.memory > rt._high:
+        rt._high = rt.memory
+    if added and rt.budget is not None and rt.memory > rt.budget:
+        rt._evict_to(rt.budget, f"{rec.name} (recomputing an evicted tensor)")
+
+
+def _retire_old_versions(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
+    """After replaying an in-place op: evict the old versions it rebuilt a new version
+    from, when nothing else needs them now.
+
+    Note [Old versions after a replay]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Eagerly an in-place op reuses its storage, and ``complete`` evicts the old version
+    at once (its bytes are the new one's). A replay rebuilds the new version in fresh
+    memory, so recomputing a chain of k in-place writes (aten's GRU cell writes one
+    ``addmm`` output five times) would leave k storages resident where the program had
+    one. Old versions are read only to rebuild their successor or by ops that ran while
+    they were current, yet the heuristic scores them like live activations, and they
+    crowd out what the program still holds (docs/heuristics.md has the measurements). So
+    each goes as soon as its successor is back, as in ``complete`` (which also evicts it
+    under the lock of the op that consumed it: Invariant 2's one exception), unless
+    something in flight or held still needs it: a replay in flight has locked it for
+    itself (``materialize`` locks every input of ``rec`` once per cell), or an evicted
+    dependent is held by the program (the eager eviction rule of ``_unreferenced``),
+    locked by the op in flight, or read by a replay in flight (``wanted``), and so about
+    to be rebuilt from it. Like ``complete``'s, these evictions are no budget decision and
+    are not counted as evictions.
+    """
+    for c in rec.inputs:
+        old = c.storage
+        new = old.forward
+        if new is None or new.parent is not rec or new.state is not RESIDENT or old.state is not RESIDENT:
+            continue
+        if not old.recomputable:  # made permanent since (Invariant 3)
+            continue
+        if old.locks != sum(1 for i in rec.inputs if i.storage is old):
+            continue
+        if any(t.state is EVICTED and (t.refs or t.locks or t in wanted) for t in old.dependents):
+            continue
+        rt._evict(old)
+
+
+def _deepest(cells: List[Cell]) -> Cell:
+    """The missing input whose recomputation looks deepest: the most missing inputs of its
+    own parent (one level of lookahead; Note [Order of rematerialization])."""
+    if len(cells) == 1:
+        return cells[0]
+    best, depth = cells[0], -1
+    for c in cells:
+        rec = c.parent
+        d = 0 if rec is None else sum(1 for i in rec.inputs if i.value is None)
+        if d > depth:
+            best, depth = c, d
+    return best
