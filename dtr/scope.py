@@ -118,28 +118,36 @@ class Engine:
         self._largest_output = 0  # carried from block to block (Note [Room before an op])
         self._gradient_bytes = 0  # of the last block (Stats.gradient_bytes)
         self._constants_counted = 0  # total=True on CPU: what the last block counted
+        self._plans_budget: Optional[int] = None  # see _absorb
 
     # ---------------------------------------------------------------- budget
 
     @property
     def budget(self) -> Optional[int]:
-        return self._budget
+        d = self._driver
+        return self._budget if d is None else d.rt.limit
 
     @budget.setter
     def budget(self, value: Union[int, str, None]) -> None:
         b = parse_bytes(value)
         d = self._driver
-        if d is not None:
+        if d is not None:  # the block's runtime owns the budget (Note [The budget])
             with d.rt.lock:
                 d.rt.drain()
                 try:
-                    d.set_limit(b)
+                    d.rt.set_budget(b)
                 except OutOfBudgetError as e:
                     d.rt.events.raised(e, d.rt)
                     raise
-        self._budget = b
-        if self._seeding is not None and d is not None:
-            self._seeding.budget = d.rt.budget  # plans are solved per budget (cached)
+        self._budget = b  # for the blocks to come
+
+    @property
+    def runtime(self) -> Optional[Runtime]:
+        """The open block's ``dtr.engine.Runtime`` (None outside a block), for tests and
+        debugging: its storages, ``check_invariants``. Its API is internal; take its ``lock``
+        before reading it while another thread may train."""
+        d = self._driver
+        return None if d is None else d.rt
 
     @property
     def trace(self) -> Union[str, "os.PathLike[str]", None]:
@@ -208,7 +216,7 @@ class Engine:
         self._sampler = driver.rt.on_op = Recorder() if self._record_timeline else None
         self._driver = driver
         if self._seeding is not None:
-            self._seeding.attach(driver, driver.rt.budget)
+            self._seeding.attach(driver)
         self._mode = DTRMode(driver)
         self._mode.__enter__()
         _local.engine = self
@@ -273,6 +281,7 @@ class Engine:
         self._largest_output = driver.largest_output
         self._constants_counted = max(self._constants_counted, driver.constants.counted_bytes)
         self._constant_bytes = driver.constants.read_bytes
+        self._plans_budget = driver.rt.budget  # the budget the last block's plans were for
 
     # ---------------------------------------------------------------- stats
 
@@ -300,7 +309,7 @@ class Engine:
             resident_bytes=resident,
             peak_resident_bytes=peak,
             constant_bytes=constant,
-            budget=self._budget,
+            budget=self.budget,
             host_peak_bytes=host_peak,
             gradient_bytes=gradients,
             ops=ops,
@@ -363,7 +372,10 @@ class Engine:
         under plain DTR (no plan fits its share of the budget). A signature appears once its
         profiling step (the first with it) has run forward and backward. Empty without
         ``plan=``."""
-        return self._seeding.plans() if self._seeding is not None else []
+        if self._seeding is None:
+            return []
+        d = self._driver
+        return self._seeding.plans(self._plans_budget if d is None else d.rt.budget)
 
     def check_invariants(self) -> None:
         """Assert the runtime's invariants (for tests; O(number of tensors))."""
@@ -374,7 +386,7 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "active" if self._driver is not None else "inactive"
-        return f"<dtr.Engine budget={self._budget} heuristic={self._heuristic!r} {state}>"
+        return f"<dtr.Engine budget={self.budget} heuristic={self._heuristic!r} {state}>"
 
 
 def _cuda_allocated() -> Optional[int]:

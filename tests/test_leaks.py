@@ -34,7 +34,7 @@ def _budget(model):
 
 def _tracked(engine):
     """Storages the engine still knows about (internal; only tests look)."""
-    rt = engine._driver.rt
+    rt = engine.runtime
     with rt.lock:
         rt.drain()
         return len(rt._all), len(rt._refs)
@@ -151,7 +151,7 @@ def test_records_are_kept_from_the_collector():
     x = torch.randn(8, 8)
     with dtr.budget(None) as engine:
         y = (x * 2).tanh()
-        s = engine._driver.rt.resolve(y._dtr.cell).storage
+        s = engine.runtime.resolve(y._dtr.cell).storage
         rec = s.parent
         inputs = rec.inputs[0].storage
         assert not gc.is_tracked(rec) and not gc.is_tracked(rec.inputs)
@@ -161,7 +161,7 @@ def test_records_are_kept_from_the_collector():
         z = x + 1  # the next op applies y's death: ``s``, and ``x * 2`` that only it read, go
         assert s.state is State.RELEASED and inputs.state is State.RELEASED
         assert gc.is_tracked(s) and gc.is_tracked(inputs)
-        last = engine._driver.rt.resolve(z._dtr.cell).storage
+        last = engine.runtime.resolve(z._dtr.cell).storage
         assert not gc.is_tracked(last)
     assert gc.is_tracked(last)  # still in the graph at the block's end
 

@@ -278,6 +278,28 @@ def test_total_limit_refusal_leaves_nothing_counted():
                 x @ w2
 
 
+def test_the_runtime_owns_the_limit_and_what_it_leaves():
+    """Note [The budget]: inside a block ``engine.budget`` is the runtime's limit, and the
+    runtime's budget is that limit less the constants counted so far; reading a new constant
+    and setting ``engine.budget`` both move it, and a refused change moves nothing."""
+    w1, w2, x = torch.randn(256, 256), torch.randn(256, 256), torch.randn(8, 256)
+    limit = 2_000_000
+    with dtr.budget(limit, total=True, cost="estimate") as engine:
+        rt = engine.runtime
+        assert (engine.budget, rt.limit, rt.outside, rt.budget) == (limit, limit, 0, limit)
+        x @ w1
+        counted = rt.outside
+        assert counted >= w1.nbytes + x.nbytes and rt.budget == limit - counted
+        engine.budget = limit // 2
+        assert (engine.budget, rt.limit, rt.budget) == (limit // 2, limit // 2, limit // 2 - counted)
+        with pytest.raises(dtr.OutOfBudgetError, match="outside the engine"):
+            engine.budget = counted - 1
+        assert (engine.budget, rt.outside, rt.budget) == (limit // 2, counted, limit // 2 - counted)
+        x @ w2
+        assert rt.outside == counted + w2.nbytes and rt.budget == limit // 2 - rt.outside
+    assert engine.runtime is None and engine.budget == limit // 2 and engine.stats().budget == limit // 2
+
+
 def test_only_aten_ops_with_new_tensors_are_sized_on_meta():
     """Output sizes come from a meta run (Note [Room before an op]) of aten ops that return new
     tensors only: other namespaces' kernels may be Python with side effects (a profiler range,

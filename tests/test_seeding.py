@@ -201,7 +201,7 @@ def test_two_chained_segments_end_their_backward_cleanly():
         s2(s1(x)).pow(2).mean().backward()
     engine = dtr.budget(int(probe.stats().peak_resident_bytes * 0.9), cost="estimate", plan=[s1, s2])
     with engine:
-        rt = engine._driver.rt
+        rt = engine.runtime
         for step in range(3):
             zero_grads(params, set_to_none=False)
             s2(s1(x)).pow(2).mean().backward()
@@ -337,7 +337,7 @@ def test_random_chains_seeded_match_eager(kinds, width, batch, fraction, seed, o
                         assert all(torch.equal(g, e) for g, e in zip(grads, want_grads))
                         held = engine._seeding
                         assert not (held._held or held._open)
-                        assert not any(s.protected for s in engine._driver.rt.storages())
+                        assert not any(s.protected for s in engine.runtime.storages())
             else:
                 for _ in range(3):
                     with engine:
@@ -360,7 +360,7 @@ def test_passes_without_backward_release_their_plan_state():
     x, _ = w.batch
     with warnings.catch_warnings(), engine:
         warnings.simplefilter("ignore")  # the held loss's graph is replayed at block exit
-        seeding, rt = engine._seeding, engine._driver.rt
+        seeding, rt = engine._seeding, engine.runtime
         for step in range(6):
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1)

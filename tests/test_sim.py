@@ -259,7 +259,7 @@ def test_traces_mark_the_backward_pass(tmp_path):
     path = tmp_path / "mlp.jsonl.gz"
     made = []
     with dtr.budget(None, cost="estimate", trace=path) as engine:
-        rt = engine._driver.rt
+        rt = engine.runtime
         x, y = w.batch
         logits = w.model(x)
         # Halfway through the backward pass: what the runtime holds then, and its marks.

@@ -101,22 +101,20 @@ class Driver(Views, Gradients, HostCopies):
         constants_before: int = 0,
         max_recompute: Optional[float] = None,
     ) -> None:
-        # ``budget`` is the user's limit. With ``dtr.budget(total=True)`` it also covers memory
-        # the engine does not manage: ``outside`` bytes allocated on the device before the
-        # block (CUDA), or, where no allocator counts them, the constants the block reads
-        # (``count_constants``): as many as the engine's previous block read
-        # (``constants_before``), more as new ones are first read. The runtime's budget is what
-        # is left of the limit.
+        # With ``dtr.budget(total=True)``, ``budget`` also covers memory the engine does not
+        # manage (Note [The budget] in runtime.py): ``outside`` bytes allocated on the device
+        # before the block (CUDA), or, where no allocator counts them, the constants the block
+        # reads (``count_constants``): as many as the engine's previous block read
+        # (``constants_before``), more as new ones are first read.
         Gradients.__init__(self)
-        self.limit = budget
         counting = total and outside is None
         self.constants_before = constants_before if counting else 0
-        self.outside = self.constants_before if counting else (outside or 0)
-        managed = None if budget is None else budget - self.outside
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
-        self.rt = runtime(managed, heuristic, self, untracked=True, max_recompute=max_recompute)
-        self.rt.outside = self.outside
+        self.rt = runtime(
+            budget, heuristic, self, untracked=True, max_recompute=max_recompute,
+            outside=self.constants_before if counting else (outside or 0),
+        )
         self.estimate = estimate
         # The largest new storage an op of this engine made (Note [Room before an op]).
         self.largest_output = largest_output
@@ -130,33 +128,14 @@ class Driver(Views, Gradients, HostCopies):
         self.ops = 0  # ops intercepted
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
-    def set_limit(self, limit: Optional[int], opname: str = "set budget") -> None:
-        """Change the user's limit: the runtime's budget becomes what is left of it beside the
-        memory outside the engine (``__init__``). Raises ``OutOfBudgetError`` and keeps the old
-        limit if the engine cannot evict down to it."""
-        outside = self.rt.outside = self.outside
-        if limit is not None and limit < outside:
-            raise OutOfBudgetError(
-                outside, limit, opname,
-                f"{outside} bytes outside the engine count against the total limit "
-                "(dtr.budget(total=True)): tensors from before the block.",
-            )
-        self.rt.set_budget(None if limit is None else limit - outside, opname)
-        self.limit = limit
-
     def _charge_constants(self, nbytes: int, opname: str) -> None:
         """With ``count_constants``: ``nbytes`` of constants have been read (``Constants.count``);
         raises ``OutOfBudgetError`` (the op does not run) if the engine cannot evict down to what
         they leave of the limit (``__init__``)."""
-        before = self.outside
+        rt = self.rt
         outside = max(self.constants_before, nbytes)
-        if outside > before and self.limit is not None:
-            self.outside = outside
-            try:
-                self.set_limit(self.limit, opname)
-            except BaseException:  # the op does not run: as if they had not been read
-                self.outside = self.rt.outside = before
-                raise
+        if outside > rt.outside and rt.limit is not None:
+            rt.set_outside(outside, opname)
 
     # ------------------------------------------------------------------ dispatch
 

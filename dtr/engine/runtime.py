@@ -76,7 +76,7 @@ class Runtime:
     """One DTR engine instance: the storages of one ``dtr.budget`` block.
 
     Args:
-        budget: bytes, or None to track without evicting for budget.
+        budget: the user's limit in bytes, or None to track without evicting for budget.
         heuristic: scoring object (see heuristics.py).
         executor: replays records (see ``Executor``).
         untracked: keep records out of Python's cyclic collector (Note [Untracked records]);
@@ -84,6 +84,7 @@ class Runtime:
         max_recompute: raise ``ThrashingError`` once replays have cost more than this many
             times the block's own ops (Note [Thrashing] in rematerialize.py); None: never.
         host: a host tier to swap to as well as evict (``dtr.budget(swap=True)``), or None.
+        outside: bytes outside the engine that the limit covers too (Note [The budget]).
     """
 
     def __init__(
@@ -95,8 +96,21 @@ class Runtime:
         untracked: bool = False,
         max_recompute: Optional[float] = None,
         host: Optional[HostTier] = None,
+        outside: int = 0,
     ) -> None:
-        self.budget = budget
+        # Note [The budget]
+        # ~~~~~~~~~~~~~~~~~
+        # ``limit`` is the user's limit (None: none). With ``dtr.budget(total=True)`` it also
+        # covers ``outside`` bytes the engine does not manage (allocated on the device before
+        # the block, or the constants the block reads); ``budget``, what the runtime evicts
+        # down to, is what is left of it. The runtime is the one owner of the three
+        # (``set_budget``, ``set_outside``): a driver, a plan or an ``Engine`` reads them here.
+        # ``budget`` is a field, not a property, as every op reads it.
+        if budget is not None and budget < outside:
+            raise ValueError(f"dtr: a limit of {budget} bytes is below the {outside} bytes outside the engine")
+        self.limit = budget
+        self.outside = outside
+        self.budget = None if budget is None else budget - outside
         self.max_recompute = max_recompute
         self.work = 0.0  # cost of the ops completed in the block (not replays)
         self.heuristic = heuristic
@@ -123,9 +137,6 @@ class Runtime:
         # charged, whatever is accumulated into it.
         self.held: dict = {}  # key (the driver's: a parameter) -> bytes charged for it
         self.held_bytes = 0
-        # Bytes outside the engine that the user's limit covers besides ``budget``
-        # (``dtr.budget(total=True)``); only errors report them.
-        self.outside = 0
         self.clock = 0
         self.counters = Counters()
         self.closed = False
@@ -629,15 +640,31 @@ class Runtime:
                 self.memory -= nbytes - old
                 raise
 
-    def set_budget(self, budget: Optional[int], opname: str = "set budget") -> None:
-        """Change the budget, evicting at once down to it; on failure the old one stays."""
-        old = self.budget
-        self.budget = budget
+    def set_budget(self, limit: Optional[int], opname: str = "set budget") -> None:
+        """Change the user's limit, evicting at once down to what it leaves beside ``outside``
+        (Note [The budget]); on failure (``OutOfBudgetError``) the old limit stays."""
+        self._limit(limit, self.outside, opname)
+
+    def set_outside(self, nbytes: int, opname: str) -> None:
+        """The bytes outside the engine that the limit covers are now ``nbytes``: evict down to
+        what they leave (Note [The budget]); on failure the old count stays."""
+        self._limit(self.limit, nbytes, opname)
+
+    def _limit(self, limit: Optional[int], outside: int, opname: str) -> None:
+        if limit is not None and limit < outside:
+            raise OutOfBudgetError(
+                outside, limit, opname,
+                f"{outside} bytes outside the engine count against the total limit "
+                "(dtr.budget(total=True)): tensors from before the block.",
+            )
+        old = self.limit, self.outside, self.budget
+        budget = self.budget = None if limit is None else limit - outside
+        self.limit, self.outside = limit, outside
         if budget is not None and self.memory > budget:
             try:
                 self._evict_to(budget, opname)
             except OutOfBudgetError:
-                self.budget = old
+                self.limit, self.outside, self.budget = old
                 raise
 
     def close(self) -> None:

@@ -112,7 +112,7 @@ CALLS: Dict[str, CallEvent] = {
         CallEvent("extract", "extract", (("cell", "cell", CELL),)),
         CallEvent("hold", "hold", (("key", "key", VALUE), ("bytes", "nbytes", VALUE))),
         CallEvent("flush", "flush"),
-        CallEvent("budget", "set_budget", (("budget", "budget", VALUE),), replayed=False),
+        CallEvent("budget", "set_budget", (("budget", "limit", VALUE),), replayed=False),
         CallEvent("backward", "set_backward", (("on", "on", VALUE),)),
         CallEvent("protect_new", "protect_new", (("on", "on", VALUE),)),
         CallEvent("protect", "protect", (("cells", "storages", STORAGES),)),

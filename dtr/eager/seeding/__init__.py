@@ -70,7 +70,6 @@ class Seeding:
     def __init__(self, segments: List[List[torch.nn.Module]]) -> None:
         self.segments = [Segment(m) for m in segments]
         self.driver: Optional[Driver] = None
-        self.budget: Optional[int] = None
         self._handles: list = []
         self._held: List[List[Storage]] = []  # storage lists protected for a plan and not yet released
         # Applied passes whose backward has begun, the one whose stage protects what it makes,
@@ -82,10 +81,15 @@ class Seeding:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def attach(self, driver: "Driver", budget: Optional[int]) -> None:
-        """Hook the segments' modules for the block ``driver`` runs, with plans for ``budget``."""
+    @property
+    def budget(self) -> Optional[int]:
+        """The budget plans are solved for: the block's runtime's, read as each pass starts
+        (plans are cached per budget)."""
+        return self.driver.rt.budget
+
+    def attach(self, driver: "Driver") -> None:
+        """Hook the segments' modules for the block ``driver`` runs."""
         self.driver = driver
-        self.budget = budget
         for seg in self.segments:
             for k, m in enumerate(seg.modules):
                 self._handles.append(m.register_forward_pre_hook(self.locked(self._pre_hook(seg, k))))
@@ -108,10 +112,10 @@ class Seeding:
         self._callback_queued = False
         self.driver = None
 
-    def plans(self) -> List[Dict[tuple, Optional[Plan]]]:
-        """Per segment: input signature -> the plan in use for the current budget (None: the
-        segment runs under plain DTR)."""
-        return [{sig: plan for (sig, b), plan in seg.plans.items() if b == self.budget} for seg in self.segments]
+    def plans(self, budget: Optional[int]) -> List[Dict[tuple, Optional[Plan]]]:
+        """Per segment: input signature -> the plan solved for ``budget`` (None: the segment
+        runs under plain DTR there)."""
+        return [{sig: plan for (sig, b), plan in seg.plans.items() if b == budget} for seg in self.segments]
 
     def locked(self, hook: Callable[..., None]) -> Callable[..., None]:
         """``hook`` as module hooks, gradient hooks and autograd callbacks must run it: under
