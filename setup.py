@@ -4,7 +4,7 @@
 ``dtr_ext._collector`` keeps the engine's records out of Python's cyclic collector; without it the
 engine behaves the same, with more collector work per op. If no C compiler is found or a build
 fails, installation goes on without it and says so here; at run time ``dtr.planner.HAS_NATIVE``
-(one warning says why) and ``dtr.engine.collector.NATIVE`` tell.
+(one warning says why) and ``dtr.core.collector.NATIVE`` tell.
 """
 
 import os

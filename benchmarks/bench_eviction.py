@@ -9,7 +9,7 @@ own. Then the budget is set to what is resident, and each of ``--ops`` further o
 neighbourhoods grow as in a real run, and with them the work of "dtr", "dtr_eq" and "msps"). Per eviction: time spent in the
 runtime's eviction loop (choosing, evicting, the heuristic's hooks) / evictions, median of
 ``--repeats`` runs, for every registered heuristic, searched the way the runtime searches it
-(the candidate index, engine/candidates.py) and, with ``--rescoring``, by rescoring every
+(the candidate index, core/candidates.py) and, with ``--rescoring``, by rescoring every
 candidate each round (what a heuristic that defines only ``score`` gets), to show why the index
 exists.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import List
 
 import dtr
-from dtr.engine import Heuristic, OpRecord, Runtime, State, make_heuristic
+from dtr.core import Heuristic, OpRecord, Runtime, State, make_heuristic
 
 from provenance import commit, machine
 

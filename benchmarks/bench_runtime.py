@@ -400,8 +400,8 @@ def profile_small(args) -> None:
         print(_trim_pstats(buf.getvalue()))
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf).sort_stats(sort)
-        print(f"## ... only the driver's modules and dtr/engine/runtime.py, top {args.profile_lines} by {title}")
-        st.print_stats(r"dtr/(eager/(driver|constants|recording|gradients|views)|engine/runtime)\.py", args.profile_lines)
+        print(f"## ... only the driver's modules and dtr/core/runtime.py, top {args.profile_lines} by {title}")
+        st.print_stats(r"dtr/(eager/(driver|constants|recording|gradients|views)|core/runtime)\.py", args.profile_lines)
         print(_trim_pstats(buf.getvalue(), strip=str(Path(dtr.__file__).parent.parent) + os.sep))
 
 

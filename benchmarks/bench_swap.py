@@ -42,7 +42,7 @@ import torch
 
 import dtr
 from dtr.eager.host_copies import measure_bandwidth
-from dtr.engine import Heuristic
+from dtr.core import Heuristic
 from dtr.sim import load
 from dtr.sim.trace import Trace
 from dtr.testing import zoo

@@ -71,7 +71,7 @@ from dtr.eager.gradients import Gradients
 from dtr.eager.mode import DTRMode
 from dtr.eager.ops import FACTS
 from dtr.eager.replay import Call
-from dtr.engine import OpRecord, Runtime
+from dtr.core import OpRecord, Runtime
 from dtr.scope import Engine
 
 from bench_runtime import RawPassThrough, count_ops, full_gc_seconds, small_workloads
@@ -586,7 +586,7 @@ def main() -> None:
     cal = calibrate()
     micro = microbench()
     base = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "threads": 1,
-            "native_collector": dtr.engine.collector.NATIVE, "calibration_ns": cal,
+            "native_collector": dtr.core.collector.NATIVE, "calibration_ns": cal,
             "microbench_ns": micro, "load_start": round(load0, 2)}
     print(f"# {base['machine']}  torch {base['torch']}  commit {base['commit']}  load {load0:.2f}")
     print(f"# timer calibration: {cal['self']:.0f} ns per timed call, {cal['nested']:.0f} ns per call passing through")

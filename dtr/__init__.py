@@ -12,7 +12,7 @@ recomputing them when needed, at run time, with no tracing and no changes to the
     print(engine.explain())      # what holds the budget, what was evicted and replayed, why it failed
 
 The torch-facing names (and the planner, which needs NumPy) are imported on first use, so
-that the torch-free parts (``dtr.engine``, ``dtr.planner``) can be imported, and tested,
+that the torch-free parts (``dtr.core``, ``dtr.planner``) can be imported, and tested,
 without torch. ``dtr.HAS_NATIVE`` says whether the planner's native solver is in use.
 
 To see what the engine does: ``engine.explain()``; ``dtr.budget(..., timeline=True)`` then
@@ -22,7 +22,7 @@ to pick a budget before training; the ``dtr`` logger (``DTR_DEBUG=1`` turns on d
 
 from importlib import import_module
 
-from dtr.engine import Heuristic, Stats, heuristic_names, register_heuristic
+from dtr.core import Heuristic, Stats, heuristic_names, register_heuristic
 from dtr.errors import DTRError, InfeasibleBudgetError, OutOfBudgetError, ThrashingError
 
 __all__ = [

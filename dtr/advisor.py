@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from dtr.config import parse_bytes
-from dtr.engine import Heuristic, make_heuristic
+from dtr.core import Heuristic, make_heuristic
 from dtr.sim.simulator import simulate
 from dtr.sim.trace import Trace, load
 

@@ -3,7 +3,7 @@ it last failed, as data with a readable ``__str__``.
 
 The report is built from what the runtime owns: its resident storages (``holdings``, read when
 the report is made, or kept from the moment a block ended or failed) and the observer of its
-last block (``dtr.engine.events.Events``: evictions and replays by the op that made each tensor,
+last block (``dtr.core.events.Events``: evictions and replays by the op that made each tensor,
 the last ``OutOfBudgetError`` that reached the program).
 
 Which moment "holds the budget" describes (``Report.moment``):
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
-from dtr.engine.events import GROUPS, Events, Failure, Holding, Tally
-from dtr.engine.telemetry import Stats
+from dtr.core.events import GROUPS, Events, Failure, Holding, Tally
+from dtr.core.telemetry import Stats
 from dtr.errors import format_bytes
 
 __all__ = ["Report", "report"]

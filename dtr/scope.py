@@ -31,9 +31,9 @@ from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
 from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.host_copies import measure_bandwidth
-from dtr.engine import Counters, Heuristic, Runtime, Stats, make_heuristic
-from dtr.engine.events import Events, holdings
-from dtr.engine.host_tier import HostTier
+from dtr.core import Counters, Heuristic, Runtime, Stats, make_heuristic
+from dtr.core.events import Events, holdings
+from dtr.core.host_tier import HostTier
 from dtr.errors import DTRError, OutOfBudgetError
 from dtr.explain import Report, report
 from dtr.log import apply_env, warn
@@ -143,7 +143,7 @@ class Engine:
 
     @property
     def runtime(self) -> Optional[Runtime]:
-        """The open block's ``dtr.engine.Runtime`` (None outside a block), for tests and
+        """The open block's ``dtr.core.Runtime`` (None outside a block), for tests and
         debugging: its storages, ``check_invariants``. Its API is internal; take its ``lock``
         before reading it while another thread may train."""
         d = self._driver

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
 from dtr.config import parse_bytes
-from dtr.engine import Heuristic, Runtime, heuristic_names, make_heuristic
+from dtr.core import Heuristic, Runtime, heuristic_names, make_heuristic
 from dtr.errors import OutOfBudgetError
 from dtr.sim.simulator import SimExecutor, run_block
 from dtr.sim.trace import Trace, load

@@ -3,4 +3,4 @@ pure-Python fallback with the same results:
 
 - ``dtr_ext._planner`` (``planner.c``): the planner's DP loops, used by ``dtr/planner/_native.py``;
 - ``dtr_ext._collector`` (``collector.c``): keeps the engine's records out of Python's cyclic
-  collector, used by ``dtr/engine/collector.py``."""
+  collector, used by ``dtr/core/collector.py``."""

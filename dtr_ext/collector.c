@@ -5,12 +5,12 @@
  * tracked object of the process in each full collection and starts one whenever the survivors
  * reach a quarter of its oldest generation, so those containers cost about 1 us per op each
  * (docs/runtime.md). The engine breaks their cycles itself (Note [Untracked records] in
- * dtr/engine/runtime.py), so it can keep them out of the collector's sight.
+ * dtr/core/runtime.py), so it can keep them out of the collector's sight.
  *
  * Only the public API: PyObject_GC_UnTrack and PyObject_GC_Track, on objects of types that
  * support the collector, guarded so that each is a no-op when the object is already in the
  * wanted state. Without this module (no compiler, DTR_PUREPYTHON=1) the engine behaves the
- * same; only the collector's work differs. Only dtr/engine/collector.py imports it.
+ * same; only the collector's work differs. Only dtr/core/collector.py imports it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

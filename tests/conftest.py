@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dtr.engine import DTREq
+from dtr.core import DTREq
 
 
 @pytest.fixture(autouse=True, scope="session")

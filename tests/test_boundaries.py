@@ -16,7 +16,7 @@ def _imports_torch(module: str) -> bool:
 
 
 def test_engine_does_not_import_torch():
-    assert not _imports_torch("dtr.engine")
+    assert not _imports_torch("dtr.core")
 
 
 def test_simulator_does_not_import_torch():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dtr
-from dtr.engine import OpRecord, Runtime, make_heuristic
-from dtr.engine.events import holdings
+from dtr.core import OpRecord, Runtime, make_heuristic
+from dtr.core.events import holdings
 from dtr.sim.simulator import SimExecutor
 
 N = 128  # 128 x 128 float32: 64 KiB per tensor
@@ -104,7 +104,7 @@ def test_a_failed_budget_change_is_explained_and_the_block_goes_on():
 
 
 def test_thrashing_is_explained_with_its_replays_and_ratio(monkeypatch):
-    monkeypatch.setattr("dtr.engine.rematerialize._THRASH_REPLAYS", 5)
+    monkeypatch.setattr("dtr.core.rematerialize._THRASH_REPLAYS", 5)
     x = torch.randn(N, N, requires_grad=True)
     engine = dtr.budget(4 * TENSOR, cost="estimate", max_recompute=0.01)
     with pytest.raises(dtr.ThrashingError) as info:

@@ -28,7 +28,7 @@ from test_programs import execute, make_inputs, programs, run_eager
 from test_runtime_stateful import FakeExecutor, RuntimeMachine
 
 import dtr
-from dtr.engine import (
+from dtr.core import (
     DTR,
     MSPS,
     DTREq,
@@ -41,8 +41,8 @@ from dtr.engine import (
     make_heuristic,
     register_heuristic,
 )
-from dtr.engine import runtime as runtime_module
-from dtr.engine.candidates import CandidateIndex
+from dtr.core import runtime as runtime_module
+from dtr.core.candidates import CandidateIndex
 from dtr.errors import OutOfBudgetError
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step

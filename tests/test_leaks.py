@@ -12,8 +12,8 @@ import torch
 
 import dtr
 from dtr.eager.driver import Driver
-from dtr.engine import Runtime, State, collector
-from dtr.engine.heuristics import LRU
+from dtr.core import Runtime, State, collector
+from dtr.core.heuristics import LRU
 from dtr.testing.step import budget_at
 from dtr.testing.zoo import MODELS, build
 

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from dtr.engine import OpRecord, Runtime, make_heuristic
+from dtr.core import OpRecord, Runtime, make_heuristic
 from dtr.errors import OutOfBudgetError
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from test_programs import execute, make_inputs, programs, run_eager
 
 import dtr
-from dtr.engine import DTREq
+from dtr.core import DTREq
 from dtr.sim import Trace, load
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
@@ -314,7 +314,7 @@ def test_every_call_event_replays_the_call_that_was_recorded(tmp_path):
     are)."""
     import inspect
 
-    from dtr.engine import OpRecord, Runtime
+    from dtr.core import OpRecord, Runtime
     from dtr.sim.record import RecordingRuntime
     from dtr.sim.simulator import SimExecutor, run_block
     from dtr.sim.trace import CALLS, TraceWriter

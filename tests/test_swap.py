@@ -14,8 +14,8 @@ import torch
 
 import dtr
 from dtr.eager import host_copies
-from dtr.engine import OpRecord, Runtime, make_heuristic
-from dtr.engine.host_tier import HostTier
+from dtr.core import OpRecord, Runtime, make_heuristic
+from dtr.core.host_tier import HostTier
 from dtr.sim import load
 from dtr.sim.simulator import _DATA, SimExecutor, _Wrapper
 from dtr.sim.trace import Trace

@@ -1,4 +1,4 @@
-"""Thrashing is an error, not a hang (Note [Thrashing] in dtr/engine/rematerialize.py).
+"""Thrashing is an error, not a hang (Note [Thrashing] in dtr/core/rematerialize.py).
 
 Near its lowest workable budget a model thrashes: replays evict what the next one needs, and a
 step can run for minutes or hours (the tiny TreeLSTM at 0.09 of its evictable room is such a

@@ -10,7 +10,7 @@ import torch
 
 from dtr.eager.output_size import flat_tensors
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.engine import Cell, OpRecord, Storage
+from dtr.core import Cell, OpRecord, Storage
 
 __all__ = ["run_collective"]
 

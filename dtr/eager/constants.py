@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from dtr.eager.replay import Call, own_dispatch
-from dtr.engine import State
+from dtr.core import State
 
 __all__ = ["Constants", "addresses_of", "key"]
 

@@ -32,7 +32,7 @@ from dtr.eager.driver import Driver
 from dtr.eager.recording import record, sort_outputs
 from dtr.eager.replay import fill, flat
 from dtr.eager.tensor import DTRTensor
-from dtr.engine import Storage
+from dtr.core import Storage
 
 __all__ = ["CrosscheckedDriver", "enabled"]
 

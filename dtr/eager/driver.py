@@ -62,8 +62,8 @@ from dtr.eager.recording import record, returned_input, sort_outputs
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.eager.views import Views
-from dtr.engine import OpRecord, Runtime, State
-from dtr.engine.collector import untrack
+from dtr.core import OpRecord, Runtime, State
+from dtr.core.collector import untrack
 from dtr.errors import OutOfBudgetError
 
 __all__ = ["Driver"]

@@ -28,7 +28,7 @@ import torch
 from dtr.eager import accumulation
 from dtr.eager.ops import FACTS, facts_for
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.engine import State
+from dtr.core import State
 
 __all__ = ["Gradients"]
 

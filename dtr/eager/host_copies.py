@@ -1,4 +1,4 @@
-"""Copies between a storage and the host tier, for the runtime's swapping (engine/host_tier.py).
+"""Copies between a storage and the host tier, for the runtime's swapping (core/host_tier.py).
 
 On CUDA a swap-out copies the whole storage into a new pinned host buffer on a side stream,
 after the work that produced it (the side stream waits for the current one); the device tensor
@@ -11,13 +11,13 @@ before its copy has left.
 A prefetch (a swap-in ahead of need) copies back on the side stream into a buffer from the side
 stream's own pool, without waiting for the current stream, so the copy runs beside the compute
 already queued; the current stream waits for its event only when the engine first reads the
-value (``arrive``, Note [Arrival] in engine/runtime.py).
+value (``arrive``, Note [Arrival] in core/runtime.py).
 
 On CPU (no accelerator: the tests' machines) the host tier is a separate copy of the data, made
 synchronously; the same logic runs, without the overlap (a prefetch's copy is made on arrival).
 
 ``HostCopies`` is how the runtime reaches these functions: the swapping half of its
-``Executor`` (engine/runtime.py), which the driver inherits.
+``Executor`` (core/runtime.py), which the driver inherits.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class HostCopy:
 
 
 class HostCopies:
-    """The swapping half of the runtime's ``Executor`` (engine/runtime.py): handles are
+    """The swapping half of the runtime's ``Executor`` (core/runtime.py): handles are
     ``HostCopy`` objects. The runtime swaps from inside an op's dispatch and from outside it
     (a budget lowered between ops), so each copy runs with Python dispatch off: the copies'
     own ops are no program's. Each method calls the module function of its name, looked up

@@ -15,7 +15,7 @@ import torch
 
 from dtr.eager.ops import VIEW, WRITTEN
 from dtr.eager.replay import Call
-from dtr.engine import OpRecord
+from dtr.core import OpRecord
 from dtr.errors import DTRError
 
 __all__ = ["record", "returned_input", "sort_outputs"]

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from dtr.eager import rng
 from dtr.eager.cost import estimate_seconds
-from dtr.engine import OpRecord
+from dtr.core import OpRecord
 from dtr.errors import DTRError
 
 __all__ = ["Call", "clone_root", "flat", "fill", "replay", "derive", "own_dispatch"]

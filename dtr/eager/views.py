@@ -1,7 +1,7 @@
 """View ops on tensors the engine manages: a view of its only tensor in one pass, ``detach``
 and ``alias``, and in-place changes of a tensor's view (``unsqueeze_``, ``transpose_``, ...).
 
-A view is a cell of its base's storage (Note [Three levels] in engine/storage.py): it adds no
+A view is a cell of its base's storage (Note [Three levels] in core/storage.py): it adds no
 bytes, its record keeps no dependency edges (it lives and dies with its base's storage), and
 it is recomputed by replaying its op on the base. Views of constants are constants, returned
 plain (``Driver.passthrough``).

@@ -2,7 +2,7 @@
 
 ``dtr.budget(limit, trace="run.jsonl")`` records a trace (``trace.py`` documents the format);
 ``dtr.simulate(trace, budget, heuristic)`` replays it under another budget or heuristic in
-seconds, with no tensors (``simulator.py``). Torch-free, like ``dtr.engine``.
+seconds, with no tensors (``simulator.py``). Torch-free, like ``dtr.core``.
 """
 
 from dtr.sim.simulator import SimResult, simulate

@@ -19,7 +19,7 @@ import inspect
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from dtr.engine import Cell, OpRecord, Runtime, Storage
+from dtr.core import Cell, OpRecord, Runtime, Storage
 from dtr.errors import OutOfBudgetError
 from dtr.sim.trace import CALLS, CELL, CELLS, VALUE, CallEvent, TraceWriter
 

@@ -1,7 +1,7 @@
 """``dtr.simulate``: replay a trace through the engine at another budget or heuristic.
 
 The simulator is a driver, not a model of the engine: it feeds a trace's events (trace.py) to
-``dtr.engine.Runtime``, the same class the eager driver uses, with an executor whose "replay"
+``dtr.core.Runtime``, the same class the eager driver uses, with an executor whose "replay"
 returns placeholder values and the recorded cost of the op. Every eviction, recomputation and
 byte count therefore comes from the code that runs under ``dtr.budget``; only the kernels and
 the clock are fake (the runtime's logical op clock orders accesses, and recorded costs stand
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from dtr.config import parse_bytes
-from dtr.engine import Counters, Heuristic, OpRecord, Runtime, make_heuristic
-from dtr.engine.host_tier import HostTier
+from dtr.core import Counters, Heuristic, OpRecord, Runtime, make_heuristic
+from dtr.core.host_tier import HostTier
 from dtr.errors import OutOfBudgetError
 from dtr.sim.trace import CALLS, CELL, CELLS, VALUE, Trace, load
 

@@ -10,7 +10,7 @@ Header: ``{"format": "dtr-trace", "version": 2, "heuristic": name, "cost": "auto
 "budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
 
 Events are the calls the driver made on its runtime, in order, so that replaying them through
-``dtr.engine.Runtime`` repeats every decision the engine took (``dtr.sim.simulator``). Tensors
+``dtr.core.Runtime`` repeats every decision the engine took (``dtr.sim.simulator``). Tensors
 are named by *cell ids* (small integers, in order of first appearance; a cell is one tensor
 over a storage: its root or a view) and program references by *ref ids*. The events that are
 one runtime call each are described once, in ``CALLS``, which the recorder (record.py) and the

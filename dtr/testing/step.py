@@ -17,7 +17,7 @@ from typing import List, Optional, Union
 import torch
 
 import dtr
-from dtr.engine import Stats
+from dtr.core import Stats
 from dtr.testing.zoo import Workload
 
 __all__ = ["StepResult", "run_step", "timed_step", "fresh_model", "assert_same", "budget_at", "zero_grads"]

@@ -53,7 +53,7 @@ import torch
 from dtr.eager.seeding.applying import ApplyPass
 from dtr.eager.seeding.profiling import ProfilePass
 from dtr.eager.seeding.segments import Segment, at_backward_end, cells_of, segments_of
-from dtr.engine import Storage
+from dtr.core import Storage
 from dtr.errors import InfeasibleBudgetError
 from dtr.log import logger, warn
 from dtr.planner import Chain, Plan, solve

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from dtr.eager.seeding.segments import Pass, Segment, watch_gradient
-from dtr.engine import Storage
+from dtr.core import Storage
 from dtr.planner import Plan
 from dtr.planner.hints import StageHint, forward_hints
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dtr.eager.seeding.segments import Pass, Segment, at_backward_end, cells_of, watch_gradient
-from dtr.engine import PeakMeter, State, Storage
+from dtr.core import PeakMeter, State, Storage
 from dtr.planner import Chain
 
 if TYPE_CHECKING:

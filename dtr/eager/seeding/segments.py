@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from dtr.eager.tensor import DTRTensor
-from dtr.engine import Cell, Runtime, Storage
+from dtr.core import Cell, Runtime, Storage
 from dtr.planner import Chain, Plan
 
 if TYPE_CHECKING:

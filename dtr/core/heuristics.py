@@ -35,7 +35,7 @@ instead
   class attribute ``staleness`` saying how ``Heuristic.score`` derives the score from it:
   ``key / staleness`` when True, ``key`` itself when False,
 
-gets the runtime's candidate index (engine/candidates.py; Note [Candidate index] there), which
+gets the runtime's candidate index (core/candidates.py; Note [Candidate index] there), which
 finds a victim of the same score (to a relative 1e-5) in microseconds: about 10 µs per eviction
 among 10,000 candidates (benchmarks/bench_eviction.py). Both searches look at every candidate:
 neither samples (the DTR paper's sampling fails at low budgets). The index caches keys and
@@ -60,8 +60,8 @@ from __future__ import annotations
 from itertools import chain
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
-from dtr.engine.storage import State, Storage
-from dtr.engine.unionfind import UFNode, attach, find, union
+from dtr.core.storage import State, Storage
+from dtr.core.unionfind import UFNode, attach, find, union
 
 __all__ = [
     "Heuristic",

@@ -4,7 +4,7 @@ Drivers (the eager tensor subclass, and the trace simulator) supply values and a
 that can replay an op record; this package never imports torch (a test checks it).
 """
 
-from dtr.engine.heuristics import (
+from dtr.core.heuristics import (
     DTR,
     LRU,
     MSPS,
@@ -17,11 +17,11 @@ from dtr.engine.heuristics import (
     make_heuristic,
     register_heuristic,
 )
-from dtr.engine.executor import Executor
-from dtr.engine.meter import PeakMeter
-from dtr.engine.runtime import Runtime
-from dtr.engine.storage import Cell, OpRecord, State, Storage
-from dtr.engine.telemetry import Counters, Stats
+from dtr.core.executor import Executor
+from dtr.core.meter import PeakMeter
+from dtr.core.runtime import Runtime
+from dtr.core.storage import Cell, OpRecord, State, Storage
+from dtr.core.telemetry import Counters, Stats
 
 __all__ = [
     "Cell",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtr.engine.storage import EVICTED, RELEASED, RESIDENT, SWAPPED
+from dtr.core.storage import EVICTED, RELEASED, RESIDENT, SWAPPED
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["check"]
 

@@ -59,8 +59,8 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
-from dtr.engine.eviction import BACKWARD, ORDINARY, PROTECTED, SMALL, tier
-from dtr.engine.storage import RESIDENT, Storage
+from dtr.core.eviction import BACKWARD, ORDINARY, PROTECTED, SMALL, tier
+from dtr.core.storage import RESIDENT, Storage
 
 __all__ = ["CandidateIndex"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dtr.engine.collector import untrack
+from dtr.core.collector import untrack
 
 __all__ = ["UFNode", "attach", "find", "union"]
 
@@ -31,7 +31,7 @@ class UFNode:
         self.cost = cost
         self.size = 1
         # Nodes point only up their trees, so they are never in a cycle: reference counting
-        # frees them, and the cyclic collector need not visit them (dtr/engine/collector.py).
+        # frees them, and the cyclic collector need not visit them (dtr/core/collector.py).
         untrack(self)
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, List
 
-from dtr.engine.storage import EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
+from dtr.core.storage import EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["before_write", "cut", "extract", "flush", "make_permanent", "release", "retire"]
 

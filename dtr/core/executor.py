@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, Tuple
 
-from dtr.engine.storage import OpRecord
+from dtr.core.storage import OpRecord
 
 __all__ = ["Executor"]
 
@@ -29,7 +29,7 @@ class Executor(Protocol):
     def forget(self, record: OpRecord) -> None:
         """``record`` will never be replayed again; drop what its payload holds."""
 
-    # Swapping (only with a host tier; engine/host_tier.py):
+    # Swapping (only with a host tier; core/host_tier.py):
 
     def swap_out(self, value: Any) -> Any:
         """Start copying a storage (its root ``value``) to the host; returns a handle."""

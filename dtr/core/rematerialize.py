@@ -11,13 +11,13 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, List
 
-from dtr.engine.storage import (
+from dtr.core.storage import (
     EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage,
 )
 from dtr.errors import ThrashingError
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["materialize"]
 

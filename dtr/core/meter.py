@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["PeakMeter"]
 

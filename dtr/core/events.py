@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from dtr.engine.eviction import BACKWARD, PROTECTED, tier
+from dtr.core.eviction import BACKWARD, PROTECTED, tier
 from dtr.errors import OutOfBudgetError, ThrashingError
 from dtr.log import logger
 

@@ -52,12 +52,12 @@ from __future__ import annotations
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from dtr.engine.heuristics import Heuristic
-from dtr.engine.storage import RESIDENT, Storage
+from dtr.core.heuristics import Heuristic
+from dtr.core.storage import RESIDENT, Storage
 from dtr.errors import OutOfBudgetError
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["BACKWARD", "ORDINARY", "PROTECTED", "Rescoring", "SMALL", "keyed", "out_of_budget", "tier"]
 

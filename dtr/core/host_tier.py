@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
-from dtr.engine.storage import RESIDENT, SWAPPED
+from dtr.core.storage import RESIDENT, SWAPPED
 
 if TYPE_CHECKING:
-    from dtr.engine.runtime import Runtime
+    from dtr.core.runtime import Runtime
 
 __all__ = ["HostTier", "SwapLog"]
 

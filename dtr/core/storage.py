@@ -65,7 +65,7 @@ class State(enum.IntEnum):
     """Gone from the graph: the program dropped it and nothing can need it again."""
     SWAPPED = 4
     """Copied to the host tier (``dtr.budget(..., swap=True)``): not counted against the
-    budget, brought back on access (engine/host_tier.py)."""
+    budget, brought back on access (core/host_tier.py)."""
 
 
 # The states under their own names, for the engine's modules that test them in loops.

@@ -40,19 +40,19 @@ import weakref
 from collections import deque
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from dtr.engine import collector, invariants, lineage
-from dtr.engine.candidates import CandidateIndex
-from dtr.engine.eviction import Rescoring, keyed, out_of_budget
-from dtr.engine.executor import Executor
-from dtr.engine.heuristics import Heuristic
-from dtr.engine.lineage import release
-from dtr.engine.meter import PeakMeter
-from dtr.engine.rematerialize import materialize
-from dtr.engine.storage import (
+from dtr.core import collector, invariants, lineage
+from dtr.core.candidates import CandidateIndex
+from dtr.core.eviction import Rescoring, keyed, out_of_budget
+from dtr.core.executor import Executor
+from dtr.core.heuristics import Heuristic
+from dtr.core.lineage import release
+from dtr.core.meter import PeakMeter
+from dtr.core.rematerialize import materialize
+from dtr.core.storage import (
     EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
 )
-from dtr.engine.host_tier import HostTier
-from dtr.engine.telemetry import Counters
+from dtr.core.host_tier import HostTier
+from dtr.core.telemetry import Counters
 from dtr.errors import OutOfBudgetError
 
 __all__ = ["Ref", "Runtime"]
@@ -158,7 +158,7 @@ class Runtime:
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
-        # Observers (dtr/engine/events.py): ``events`` hears of evictions, replays and failures,
+        # Observers (dtr/core/events.py): ``events`` hears of evictions, replays and failures,
         # which are not per op (every ``dtr.budget`` block sets it, for ``explain``);
         # ``on_op(runtime)`` runs after every op (a memory timeline, ``timeline=True`` only).
         # None unless someone watches, so that each costs one check.
