@@ -47,6 +47,7 @@ from dtr.core.executor import Executor
 from dtr.core.heuristics import Heuristic
 from dtr.core.lineage import release
 from dtr.core.meter import PeakMeter
+from dtr.core.outputs import fit, new_view, wire
 from dtr.core.rematerialize import materialize
 from dtr.core.storage import (
     EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
@@ -350,15 +351,15 @@ class Runtime:
                     new.append(s)
                     added += nbytes
                 else:
-                    outs.append(self._new_view(base.storage, rec, len(outs), value))
+                    outs.append(new_view(base.storage, rec, len(outs), value))
                     views = True
             # Note [Views held weakly]
             rec.outputs = [c if type(c) is Storage else _weak(c) for c in outs] if views else outs
             if self.memory > self._high:
                 self._high = self.memory
             if added and self.budget is not None and self.memory > self.budget:
-                self._fit_outputs(rec, new, len(mutated))
-            self._wire(rec, new, now)
+                fit(self, rec, new, len(mutated))
+            wire(self, rec, new, now)
         finally:
             self.unlock(rec.inputs)
             if self.host is not None:  # the clock moved, also for an op that failed here
@@ -368,59 +369,6 @@ class Runtime:
         if self.on_op is not None:
             self.on_op(self)
         return outs  # type: ignore[return-value]
-
-    def _fit_outputs(self, rec: OpRecord, new: List[Storage], n_versions: int) -> None:
-        for s in new:
-            s.locks += 1
-        try:
-            self._evict_to(self.budget, rec.name)  # type: ignore[arg-type]
-        except BaseException:  # OutOfBudgetError, or anything a heuristic raised
-            for i, s in enumerate(new[n_versions:], start=n_versions):
-                del self.resident[s]
-                self._leave_graph(s)
-                self.memory -= s.nbytes
-                s.state = RELEASED
-                s.value = None
-                rec.outputs[i] = None
-            del new[n_versions:]
-            self._wire(rec, new, self.clock)
-            raise
-        finally:
-            for s in new:
-                s.locks -= 1
-
-    def _wire(self, rec: OpRecord, new: List[Storage], now: int) -> None:
-        """Add the dependency edges of a completed record."""
-        rec.live = len(new)
-        inputs = rec.inputs
-        for c in inputs:
-            c.storage.last_access = now
-        if not rec.live or not rec.replayable:
-            # A view op's outputs live and die with the base's storage; a record that is never
-            # replayed needs none of its inputs.
-            return
-        # Inputs that are distinct roots are their own storages: the input list then doubles as
-        # the edges (one object fewer per op kept for the collector, docs/runtime.md).
-        n = len(inputs)
-        if n == 1:
-            ins: Sequence[Storage] = inputs if type(inputs[0]) is Storage else (inputs[0].storage,)
-        elif n == 2 and inputs[0] is not inputs[1] and type(inputs[0]) is type(inputs[1]) is Storage:
-            ins = inputs
-        else:
-            ins = tuple(dict.fromkeys([c.storage for c in inputs]))
-        rec.use_storages = ins
-        untrack = self._untrack
-        for s in ins:
-            s.uses += 1
-            deps = s.dependents
-            if not deps:
-                deps = s.dependents = {}
-            for t in new:
-                deps[t] = None
-            if untrack is not None:
-                untrack(deps)  # again: adding a storage makes a dict tracked
-        if untrack is not None:
-            untrack(rec, inputs, rec.outputs, ins)
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
@@ -440,12 +388,6 @@ class Runtime:
         del self._all[s]
         if self._untrack is not None:
             collector.track(s)
-
-    @staticmethod
-    def _new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
-        c = Cell(s, rec, index, value)
-        s.add_view(c)
-        return c
 
     # ------------------------------------------------------------------ eviction
 
