@@ -262,16 +262,20 @@ class Runtime:
 
         On error (``OutOfBudgetError``, or a failing replay) every lock taken here is undone.
         """
+        missing = False
         for c in cells:
             c.storage.locks += 1
-        try:
-            for c in cells:
-                if c.value is None:
-                    materialize(self, c)
-        except BaseException:
-            self.unlock(cells)
-            self._settle()
-            raise
+            if c.value is None:
+                missing = True
+        if missing:  # one pass where all are defined: the driver acquires every op's inputs
+            try:
+                for c in cells:
+                    if c.value is None:
+                        materialize(self, c)
+            except BaseException:
+                self.unlock(cells)
+                self._settle()
+                raise
         if self.arriving:
             self.arrive(cells)
 

@@ -336,13 +336,8 @@ class Driver(Views, Gradients, HostCopies):
             tkw = dict(kwargs)
             kw = dict(kwargs)
             defined = self._scan(kwargs.items(), tkw, kw, inputs, slots, consts, only) and defined
-        if simple and defined:  # the values are at hand: lock them, as acquire would
-            for c in inputs:
-                c.storage.locks += 1
-            if rt.arriving:
-                rt.arrive(inputs)
-        else:
-            rt.acquire(inputs)
+        rt.acquire(inputs)
+        if not simple:
             defined = False
         try:
             if not defined:

@@ -51,9 +51,7 @@ class Views:
         vals = list(args)
         vals[i] = c.value
         inputs = [c]
-        c.storage.locks += 1
-        if rt.arriving:
-            rt.arrive(inputs)
+        rt.acquire(inputs)  # defined: it only locks, and waits for a prefetch
         try:
             grad = torch.is_grad_enabled()
             t0 = perf_counter()

@@ -9,8 +9,7 @@ the outer call and are not logged, or a replay would run them twice.
 
 One saving: the driver acquires an op's inputs, runs the kernel, then completes the record over
 the same input list; the ``op`` event implies that acquire, so it is held back and dropped
-when the matching ``complete`` comes (the fast path locks defined inputs without acquiring,
-which the same event covers).
+when the matching ``complete`` comes.
 """
 
 from __future__ import annotations
@@ -107,12 +106,9 @@ class RecordingRuntime(Runtime):
         cells = list(cells)
         key = _key(cells)
         n = self._acquired.pop(key, 0)
-        if n:
-            if n > 1:
-                self._acquired[key] = n - 1
-            self._emit({"e": "unlock", "cells": [self._cid(c) for c in cells]})
-        # else: the fast path locked these inputs itself and its kernel failed; the trace never
-        # saw them locked, so there is nothing to undo in it.
+        if n > 1:
+            self._acquired[key] = n - 1
+        self._emit({"e": "unlock", "cells": [self._cid(c) for c in cells]})
         self._reserved = 0  # the op failed: no op event will carry it
         self._call(None, super().unlock, cells)
 
