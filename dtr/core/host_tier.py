@@ -132,7 +132,7 @@ class HostTier:
         self.outgoing: List[Any] = []
         # Prefetched storages whose copy may still be landing -> the executor's pending handle.
         # The runtime reads it as ``Runtime.arriving``: every read of their values lands them
-        # first (``Runtime.arrive``, Note [Arrival] in runtime.py), and values it drops leave.
+        # first (``arrive``, Note [Arrival]), and values it drops leave.
         self.arriving: Dict[Any, Any] = {}
         self._rt: Runtime = None  # type: ignore[assignment]  # set by ``attach``
         self._executor: Any = None
@@ -150,6 +150,29 @@ class HostTier:
         return self.limit is None or self.bytes + nbytes <= self.limit
 
     # ------------------------------------------------------------------ copies
+
+    def arrive(self, cells: Iterable[Any]) -> None:
+        """Before the values of ``cells`` are read: wait (on the device, not the host) for the
+        copies of those whose storage was prefetched. Callers check ``arriving`` first.
+
+        Note [Arrival]
+        ~~~~~~~~~~~~~~
+        A prefetch starts the copy back and returns at once, so that the copy overlaps the
+        ops before the storage's next read; on CUDA that read must be ordered after the copy.
+        So a prefetched storage is in ``arriving`` until its first read, and every read goes
+        through here: op inputs (``Runtime.acquire``), replays, swap-outs, the end of the
+        block. A storage whose values are dropped first (evicted, swapped out again,
+        released) just leaves ``arriving``. The runtime holds the same dict
+        (``Runtime.arriving``), so that an op's read checks for copies in flight with one
+        lookup.
+        """
+        arriving = self.arriving
+        for c in cells:
+            s = c.storage
+            pending = arriving.pop(s, None)
+            if pending is not None:
+                self._executor.arrive(pending)
+                self.log.read(s)  # the prefetch was needed: the next block repeats it
 
     def swap_out(self, s: Any) -> None:
         """Copy the resident ``s`` to the host instead of evicting it (Note [Swap or evict])."""
@@ -190,7 +213,7 @@ class HostTier:
 
     def swap_in(self, s: Any, prefetch: bool) -> None:
         """Bring the swapped ``s`` back: synchronously (the program waits; evicts to the
-        budget), or as a prefetch whose copy lands before its first read (``Runtime.arrive``)."""
+        budget), or as a prefetch whose copy lands before its first read (``arrive``)."""
         rt, ex = self._rt, self._executor
         if prefetch:
             value, self.arriving[s] = ex.prefetch(self.handles[s])

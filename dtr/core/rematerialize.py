@@ -141,7 +141,7 @@ def _room_for_replay(rt: Runtime, rec: OpRecord) -> None:
 
 def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
     if rt.arriving:
-        rt.arrive(rec.inputs)
+        rt.host.arrive(rec.inputs)  # type: ignore[union-attr]
     values, cost = rt.executor.replay(rec)
     now = rt.clock
     added = False

@@ -149,7 +149,7 @@ class Runtime:
         self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         self.host = host
-        # The host tier's prefetches in flight (Note [Arrival]), here so that a read checks for
+        # The host tier's prefetches in flight (Note [Arrival] in host_tier.py), here so that a read checks for
         # them in one lookup and lands or drops them with no call into the tier; without a
         # host tier, a dict that stays empty.
         self.arriving: dict = host.arriving if host is not None else {}
@@ -277,28 +277,7 @@ class Runtime:
                 self._settle()
                 raise
         if self.arriving:
-            self.arrive(cells)
-
-    def arrive(self, cells: Iterable[Cell]) -> None:
-        """Before the values of ``cells`` are read: wait (on the device, not the host) for the
-        copies of those whose storage was prefetched. Callers check ``arriving`` first.
-
-        Note [Arrival]
-        ~~~~~~~~~~~~~~
-        A prefetch starts the copy back and returns at once, so that the copy overlaps the
-        ops before the storage's next read; on CUDA that read must be ordered after the copy.
-        So a prefetched storage is in ``arriving`` until its first read, and every read goes
-        through here: op inputs (``acquire``, the driver's one-pass paths), replays, swap-outs,
-        the end of the block. A storage whose values are dropped first (evicted, swapped out
-        again, released) just leaves ``arriving``.
-        """
-        arriving = self.arriving
-        for c in cells:
-            s = c.storage
-            pending = arriving.pop(s, None)
-            if pending is not None:
-                self.executor.arrive(pending)
-                self.host.log.read(s)  # the prefetch was needed: the next block repeats it
+            self.host.arrive(cells)  # type: ignore[union-attr]
 
     def unlock(self, cells: Iterable[Cell]) -> None:
         """Undo ``acquire`` (used directly when the op itself failed)."""

@@ -11,7 +11,7 @@ before its copy has left.
 A prefetch (a swap-in ahead of need) copies back on the side stream into a buffer from the side
 stream's own pool, without waiting for the current stream, so the copy runs beside the compute
 already queued; the current stream waits for its event only when the engine first reads the
-value (``arrive``, Note [Arrival] in core/runtime.py).
+value (``arrive``, Note [Arrival] in core/host_tier.py).
 
 On CPU (no accelerator: the tests' machines) the host tier is a separate copy of the data, made
 synchronously; the same logic runs, without the overlap (a prefetch's copy is made on arrival).
