@@ -510,7 +510,7 @@ class Runtime:
     def protect(self, storages: Iterable[Storage]) -> None:
         """Make ``storages`` PROTECTED (Note [Eviction tiers]), as ``protect_new`` does for new
         ones, until ``unprotect``: what a plan holds that the heuristic should leave alone if it
-        can (checkpoints, a whole stage's tape; pinning them would make budgets infeasible).
+        can (checkpoints, a whole stage's tape; locking them would make budgets infeasible).
         Protections nest, and follow a storage to its newest version (Note [Versions])."""
         for s in storages:
             while s.forward is not None:

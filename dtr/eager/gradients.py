@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from dtr.eager import accumulation
-from dtr.eager.ops import FACTS, facts_for
+from dtr.eager.ops import facts_for
 from dtr.eager.tensor import DTRTensor, make_wrapper
 from dtr.core import State
 
@@ -38,6 +38,7 @@ _RESIDENT = State.RESIDENT
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
+_ADD_FACTS = facts_for(_ADD_)  # every in-place sum runs it
 _graph_task_id = torch._C._current_graph_task_id
 
 
@@ -136,7 +137,7 @@ class Gradients:
         rt = self.rt
         chained = accumulation.summed(old._dtr.cell.storage)
         if self._in_place(old, args):
-            self._run(FACTS.get(_ADD_) or facts_for(_ADD_), _ADD_, args, {})
+            self._run(_ADD_FACTS, _ADD_, args, {})
             ref = old._dtr
             cell = ref.cell = rt.resolve(ref.cell)
             out = make_wrapper(old, rt, cell)

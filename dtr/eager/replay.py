@@ -5,7 +5,7 @@ object per op, not a record and its payload: every object it keeps costs time in
 collector's full passes, docs/runtime.md) plus what replaying it needs: a template of the op's
 arguments with holes (``slots``) where managed tensors went. A slot names an index into the
 record's ``inputs``, never a cell, so a record can be re-targeted at a new version of its
-input (``Runtime._translate``, ``Call.retarget``) by swapping inputs alone.
+input (``translate`` in core/storage.py, ``Call.retarget``) by swapping inputs alone.
 
 Replays restore what the op depended on besides its arguments (Invariant 4):
 - the random state, for ops tagged ``nondeterministic_seeded`` (rng.py);
