@@ -2,9 +2,10 @@
 
 ``dtr_ext._planner`` speeds up ``dtr.planner``'s DPs; the pure-Python planner gives the same plans.
 ``dtr_ext._collector`` keeps the engine's records out of Python's cyclic collector; without it the
-engine behaves the same, with more collector work per op. If no C compiler is found or a build
+engine behaves the same, with more collector work per op. ``dtr_ext._hotpath`` runs the eager
+driver's simple ops in one native call; without it the Python path makes the same decisions. If no C compiler is found or a build
 fails, installation goes on without it and says so here; at run time ``dtr.planner.HAS_NATIVE``
-(one warning says why) and ``dtr.core.collector.NATIVE`` tell.
+(one warning says why), ``dtr.core.collector.NATIVE`` and ``dtr.eager.native.NATIVE`` tell.
 """
 
 import os
@@ -41,6 +42,7 @@ class OptionalBuildExt(build_ext):
 extensions = [] if os.environ.get("DTR_PUREPYTHON") == "1" else [
     Extension("dtr_ext._planner", sources=["dtr_ext/planner.c"]),
     Extension("dtr_ext._collector", sources=["dtr_ext/collector.c"]),
+    Extension("dtr_ext._hotpath", sources=["dtr_ext/hotpath.c"]),
 ]
 
 setup(ext_modules=extensions, cmdclass={"build_ext": OptionalBuildExt})

@@ -45,12 +45,11 @@ the constant table's (constants.py, Note [Aliases]).
 from __future__ import annotations
 
 from time import perf_counter
-from types import MappingProxyType
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from dtr.eager import output_size, rng
+from dtr.eager import native, output_size, rng
 from dtr.eager.collectives import run_collective
 from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
@@ -61,6 +60,7 @@ from dtr.eager.output_size import flat_tensors
 from dtr.eager.recording import record, returned_input, sort_outputs
 from dtr.eager.replay import Call, fill, flat, replay
 from dtr.eager.tensor import DTRTensor, make_wrapper
+from dtr.eager.native import FIRST as _FIRST, NO_KWARGS as _NO_KWARGS
 from dtr.eager.views import Views
 from dtr.core import OpRecord, Runtime, State
 from dtr.core.collector import untrack
@@ -75,9 +75,7 @@ _WRITE = Kind.WRITE
 _DETACH = Kind.DETACH
 _COLLECTIVE = Kind.COLLECTIVE
 _no_python_dispatch = torch._C._DisableTorchDispatch
-_FIRST = (0,)
 _NO_INPUTS = -1  # ``_scan``'s ``only``: no argument is an input
-_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})  # read only: no dict made per op
 _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -126,6 +124,13 @@ class Driver(Views, Gradients, HostCopies):
         # ``Constants.count`` where constants read count against the limit, else None.
         self.count_constants = self.constants.count if counting else None
         self.ops = 0  # ops intercepted
+        # The native simple op (native.py), for the runtime it mirrors: not a trace recorder's
+        # (a subclass), not with a host tier or constants counted.
+        self.native = native.run_simple if (
+            type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None
+        ) else None
+        if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
+            self.dispatch = native.dispatcher(self)
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
 
     def _charge_constants(self, nbytes: int, opname: str) -> None:
@@ -140,6 +145,8 @@ class Driver(Views, Gradients, HostCopies):
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self, func, args, kwargs):
+        """Run one op (module docstring). With the native path, the driver's ``dispatch`` is
+        native.py's, which does the same natively up to ``_route``, and runs simple ops itself."""
         facts = FACTS.get(func)
         if facts is None:
             facts = facts_for(func)
@@ -154,29 +161,33 @@ class Driver(Views, Gradients, HostCopies):
                     rt.set_backward(node is not None)
                 self.node = node
                 self.node_from = rt.next_sid
-            kind = facts.kind
-            if kind is _VIEW or kind is _DETACH or kind is Kind.INPLACE_VIEW:
-                base = args[facts.view_of]
-                if type(base) is not DTRTensor or base._dtr.cell.storage.runtime is not rt:
-                    if kind is Kind.INPLACE_VIEW and type(base) is not DTRTensor:
-                        # Recorded ops hold this very tensor object, whose shape is about to
-                        # change: as for a write, they must not be replayed after it.
-                        self.constants.before_constants_written([base])
-                    return self.passthrough(func, args, kwargs)
-                if kind is _DETACH:
-                    return self._alias(base)
-                if kind is Kind.INPLACE_VIEW:
-                    return self._inplace_view(facts, func, base, args, kwargs)
-                if facts.one_view and not kwargs:
-                    return self._run_view(facts, func, base, args)
-            elif kind is Kind.UNSUPPORTED:
-                self._unsupported(facts, args, kwargs)
+            return self._route(facts, func, args, kwargs)
+
+    def _route(self, facts, func, args, kwargs):
+        """The path that runs an op of ``facts`` (module docstring), under the runtime's lock."""
+        kind = facts.kind
+        if kind is _VIEW or kind is _DETACH or kind is Kind.INPLACE_VIEW:
+            base = args[facts.view_of]
+            if type(base) is not DTRTensor or base._dtr.cell.storage.runtime is not self.rt:
+                if kind is Kind.INPLACE_VIEW and type(base) is not DTRTensor:
+                    # Recorded ops hold this very tensor object, whose shape is about to
+                    # change: as for a write, they must not be replayed after it.
+                    self.constants.before_constants_written([base])
                 return self.passthrough(func, args, kwargs)
-            elif kind is _COLLECTIVE:
-                return run_collective(self, facts, args, kwargs)
-            elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
-                return self._sum(facts, args)
-            return self._run(facts, func, args, kwargs)
+            if kind is _DETACH:
+                return self._alias(base)
+            if kind is Kind.INPLACE_VIEW:
+                return self._inplace_view(facts, func, base, args, kwargs)
+            if facts.one_view and not kwargs:
+                return self._run_view(facts, func, base, args)
+        elif kind is Kind.UNSUPPORTED:
+            self._unsupported(facts, args, kwargs)
+            return self.passthrough(func, args, kwargs)
+        elif kind is _COLLECTIVE:
+            return run_collective(self, facts, args, kwargs)
+        elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
+            return self._sum(facts, args)
+        return self._run(facts, func, args, kwargs)
 
     def passthrough(self, func, args, kwargs):
         """Run ``func`` on plain values, returning plain results (nothing is recorded)."""
@@ -307,6 +318,16 @@ class Driver(Views, Gradients, HostCopies):
         return defined
 
     def _run(self, facts, func, args, kwargs):
+        """Run an op on tensors of this engine and register its results: natively for a simple
+        op without keyword arguments where the native path takes it (native.py), else
+        ``_execute``."""
+        if facts.simple and self.native is not None and not kwargs:
+            out = self.native(self, facts, func, args)
+            if out is not native.FALLBACK:
+                return out
+        return self._execute(facts, func, args, kwargs)
+
+    def _execute(self, facts, func, args, kwargs):
         """Run an op on tensors of this engine and register its results (module docstring,
         steps 2 to 6). An op of ``facts.simple`` (the common case: it writes nothing and returns
         one new tensor) skips the general bookkeeping at both ends: its inputs are locked as
@@ -355,42 +376,11 @@ class Driver(Views, Gradients, HostCopies):
             seconds = perf_counter() - t0
             if sized is not None:
                 output_size.correct(sized, out, vals, kw)
-            if simple:
-                if type(out) is _Tensor and out.layout is _strided:
-                    same = returned_input(out, inputs, consts)
-                    nbytes = out.untyped_storage().nbytes()
-                else:  # returned plain (module docstring); inputs still locked, so resident
-                    if isinstance(out, _Tensor):
-                        self.constants.hand_out_parts(out, inputs)
-                    nbytes, same = 0, None
-                if self.estimate:
-                    seconds = estimate_seconds(func, vals, kw, (out,))
         except BaseException:
             rt.unlock(inputs)
             raise
-        if simple:  # register the one output
-            self.op_seconds += seconds
-            if same is not None:
-                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-                return make_wrapper(out, rt, same)
-            if not nbytes:
-                rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
-                return out
-            if nbytes > self.largest_output:
-                self.largest_output = nbytes
-            call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
-            call.rng = state
-            call.fresh = _FIRST
-            try:
-                (cell,) = rt.complete(call, (), ((nbytes, out, None),))
-            except BaseException:
-                if state is not None:
-                    rng.restore(state)
-                raise
-            if consts:
-                call.consts = self._use_constants(consts)
-                untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-            return make_wrapper(out, rt, cell)
+        if simple:
+            return self._register_one(facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw)
 
         # -- register: the general path --------------------------------------------------------
         nv = len(mutated)
@@ -420,6 +410,46 @@ class Driver(Views, Gradients, HostCopies):
         by_pos = dict(zip(fresh_pos, cells[nv:]))
         by_pos.update(same_at)
         return self._returns(facts, out, by_pos, args, kwargs)
+
+    def _register_one(self, facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw):
+        """Register the one output of a simple op that ran on acquired ``inputs`` (``_run``);
+        the native path (native.py) calls it for every outcome it does not register itself."""
+        rt = self.rt
+        try:
+            if type(out) is _Tensor and out.layout is _strided:
+                same = returned_input(out, inputs, consts)
+                nbytes = out.untyped_storage().nbytes()
+            else:  # returned plain (module docstring); inputs still locked, so resident
+                if isinstance(out, _Tensor):
+                    self.constants.hand_out_parts(out, inputs)
+                nbytes, same = 0, None
+            if self.estimate:
+                seconds = estimate_seconds(func, vals, kw, (out,))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        self.op_seconds += seconds
+        if same is not None:
+            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+            return make_wrapper(out, rt, same)
+        if not nbytes:
+            rt.complete(OpRecord(facts.name, inputs, None, seconds), (), ())
+            return out
+        if nbytes > self.largest_output:
+            self.largest_output = nbytes
+        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), tkw, tuple(slots), grad)
+        call.rng = state
+        call.fresh = _FIRST
+        try:
+            (cell,) = rt.complete(call, (), ((nbytes, out, None),))
+        except BaseException:
+            if state is not None:
+                rng.restore(state)
+            raise
+        if consts:
+            call.consts = self._use_constants(consts)
+            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
+        return make_wrapper(out, rt, cell)
 
     def _returns(self, facts, out, by_pos, args, kwargs):
         """What the program gets back from an op: a wrapper for each output with a cell in

@@ -1,0 +1,83 @@
+"""The only module that knows about ``dtr_ext._hotpath``: the eager driver's simple op (one new
+tensor, no writes) in one native call.
+
+``run_simple(driver, facts, func, args)`` runs such an op as ``Driver._run`` does, or returns
+``FALLBACK`` having changed nothing, for the Python path to run it (hotpath.c says when).
+``dispatcher(driver)`` is ``driver.dispatch`` with its preamble native too (the lock, queued
+wrapper deaths, the autograd node), simple ops run by ``run_simple``'s code and the others
+handed to ``Driver._route``: a ``Driver`` installs it as its ``dispatch``. The
+Python code stays the definition of what an op does; the native path mirrors it, and
+tests/test_native.py checks that both build the same records and make the same decisions.
+Without the native module (no C compiler at install, or ``DTR_PUREPYTHON=1`` at import)
+``run_simple`` is None and every op takes the Python path; ``NATIVE`` tells which is in use,
+and ``WHY_NOT`` why not.
+"""
+
+from __future__ import annotations
+
+import os
+from time import perf_counter
+from types import MappingProxyType
+from typing import Any, Callable, Optional
+
+import torch
+
+from dtr.core import collector
+from dtr.core.lineage import release
+from dtr.core.outputs import fit
+from dtr.core.runtime import Ref
+from dtr.core.storage import EVICTED, RELEASED, RESIDENT, Cell, Storage
+from dtr.eager.cost import estimate_seconds
+from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
+from dtr.eager.replay import Call
+from dtr.eager.tensor import DTRTensor
+
+__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "dispatcher", "registered", "run_simple"]
+
+FALLBACK = object()
+"""What ``run_simple`` returns when the Python path must run the op."""
+
+# Constants of both paths: keyword arguments of an op called without any (read only: no dict
+# made per op), and ``Call.fresh`` of a simple op (its one output is fresh).
+NO_KWARGS = MappingProxyType({})
+FIRST = (0,)
+
+
+def _config() -> dict:
+    """What ``_hotpath.bind`` needs: the classes, functions and constants the native path uses."""
+    return {
+        "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
+        "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
+        "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED,
+        "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "release": release, "fit": fit,
+        "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
+        "perf_counter": perf_counter, "estimate_seconds": estimate_seconds,
+        "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
+        "untrack_gc": collector.NATIVE, "FACTS": FACTS, "facts_for": facts_for,
+        "current_node": getattr(torch._C, "_current_autograd_node", lambda: None),
+        "ADD": torch.ops.aten.add.Tensor,
+    }
+
+
+def _load():
+    if os.environ.get("DTR_PUREPYTHON", "") not in ("", "0"):
+        return None, "DTR_PUREPYTHON is set"
+    try:
+        from dtr_ext import _hotpath
+    except ImportError as e:
+        return None, f"dtr_ext._hotpath is not built ({e})"
+    if getattr(_hotpath, "ABI_VERSION", None) != 1:
+        return None, "dtr_ext._hotpath is from another version of dtr: reinstall dtr"
+    try:
+        _hotpath.bind(_config())
+    except (TypeError, KeyError, AttributeError) as e:  # a class's fields changed without hotpath.c
+        return None, str(e)
+    return _hotpath, ""
+
+
+_EXT, WHY_NOT = _load()
+NATIVE: bool = _EXT is not None
+run_simple: Optional[Callable[..., Any]] = _EXT.run_simple if _EXT is not None else None
+registered: Callable[[], int] = _EXT.registered if _EXT is not None else (lambda: 0)
+"""How many ops the native path has registered itself (not handed back) in this process."""
+dispatcher: Optional[Callable[[Any], Callable[..., Any]]] = _EXT.dispatcher if _EXT is not None else None

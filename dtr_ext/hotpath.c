@@ -1,0 +1,1441 @@
+/* dtr_ext._hotpath: the eager driver's per-op path in native code.
+ *
+ * ``dispatcher(driver)`` is ``Driver.dispatch`` bound to one driver: it takes the runtime's lock,
+ * counts the op, applies queued wrapper deaths (``Runtime.drain``: eager eviction and release),
+ * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes)
+ * called without keyword arguments itself; every other op goes to ``Driver._route``, in Python.
+ *
+ * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
+ * arguments (inputs, constants, the replay template and its slots), lock the inputs, run and
+ * time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
+ * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
+ * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
+ * instead (a random op, a budget close enough that the driver makes room first, an evicted
+ * input, another engine's wrapper, nested lists) it
+ * returns the ``FALLBACK`` sentinel having changed nothing, and the op goes to
+ * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
+ * ``Driver._register_one`` (the Python continuation), evicting for the budget to
+ * ``outputs.fit``.
+ *
+ * The Python code stays the definition: this file mirrors it statement for statement, calls the
+ * heuristic's hooks, ``lineage.release`` and the rarer branches in Python, and works on the
+ * Python classes themselves (``Storage``, ``Call``, ``Ref``, ``DTRTensor`` with ``__slots__``):
+ * ``bind`` reads each slot's offset from the class's member descriptor, and refuses classes
+ * whose slots are not exactly those this file fills, so that a field added in Python without
+ * its twin here turns the native path off instead of leaving it unset. ``dtr/eager/native.py``
+ * is the only module that imports this one; tests/test_native.py checks that both paths build
+ * the same graph and make the same decisions.
+ *
+ * No torch headers: tensors are reached through their Python API.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX */
+
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *Py_NewRef(PyObject *o) {
+    Py_INCREF(o);
+    return o;
+}
+#endif
+
+#define ABI_VERSION 1
+
+/* ------------------------------------------------------------------------------------------ */
+/* What ``bind`` supplies. */
+
+static PyObject *FALLBACK;
+static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref;
+static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_release, *O_fit, *O_mws,
+    *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
+    *O_FACTS, *O_facts_for, *O_current_node, *O_ADD, *O_EVICTED,
+    *O_VIEW, *O_DETACH;
+static PyObject *EMPTY; /* () */
+static int untrack_gc; /* the collector module is native: untrack as it does */
+static int bound;
+static unsigned long long registered; /* ops registered natively, for tests */
+
+/* Slot offsets. */
+static Py_ssize_t W_dtr, R_cell, C_storage, C_value, C_forward, C_parent, C_index;
+static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_kind, F_one_view, F_view_of;
+enum {
+    S_runtime, S_sid, S_nbytes, S_state, S_locks, S_refs, S_uses, S_last_access, S_cost, S_parent,
+    S_index, S_value, S_views, S_dependents, S_forward, S_hdata, S_slot, S_protected, S_backward,
+    S_N
+};
+static const char *S_NAMES[S_N] = {
+    "runtime", "sid", "nbytes", "state", "locks", "refs", "uses", "last_access", "cost", "parent",
+    "index", "value", "views", "dependents", "forward", "hdata", "slot", "protected", "backward"};
+static Py_ssize_t S_off[S_N];
+enum {
+    K_name, K_inputs, K_use_storages, K_outputs, K_cost, K_payload, K_replayable, K_live,
+    K_func, K_args, K_kwargs, K_slots, K_rng, K_grad, K_versions, K_derive, K_fresh, K_consts,
+    K_clone_args, K_N
+};
+static const char *K_NAMES[K_N] = {
+    "name", "inputs", "use_storages", "outputs", "cost", "payload", "replayable", "live",
+    "func", "args", "kwargs", "slots", "rng", "grad", "versions", "derive", "fresh", "consts",
+    "clone_args"};
+static Py_ssize_t K_off[K_N];
+
+/* Interned attribute names. */
+static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_requires_grad,
+    *A_is_leaf, *A__base, *A_layout, *A_untyped_storage, *A_nbytes, *A_unlock,
+    *A__register_one, *A_op_seconds, *A_clock, *A_work, *A__sid, *A__backward, *A_resident,
+    *A__all, *A__untrack, *A__high, *A_on_op, *A__use_constants, *A_size, *A_is_contiguous,
+    *A_storage_offset, *A_stride, *A_dtype, *A_device, *A__wrapper_died, *A__refs, *A_estimate,
+    *A_lock, *A_acquire, *A_release, *A_ops, *A__dead, *A_drain, *A_node, *A_node_from,
+    *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
+    *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
+    *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
+    *A_add_view;
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+/* Set a slot to ``v`` (a new reference is taken). */
+static inline void set_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
+    PyObject **p = (PyObject **)((char *)o + off);
+    PyObject *old = *p;
+    Py_XINCREF(v);
+    *p = v;
+    Py_XDECREF(old);
+}
+
+/* Set a slot to ``v``, stealing the reference; fails (-1) if ``v`` is NULL. */
+static inline int steal_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
+    if (v == NULL) return -1;
+    PyObject **p = (PyObject **)((char *)o + off);
+    PyObject *old = *p;
+    *p = v;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* ``o.<slot> += delta`` for an int slot. */
+static inline int add_slot(PyObject *o, Py_ssize_t off, long long delta) {
+    PyObject *v = SLOT(o, off);
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "dtr_ext._hotpath: an int slot is unset");
+        return -1;
+    }
+    long long n = PyLong_AsLongLong(v);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    return steal_slot(o, off, PyLong_FromLongLong(n + delta));
+}
+
+/* ``o.<name> += delta`` for an int attribute; the new value in ``*out`` if given. */
+static int add_attr(PyObject *o, PyObject *name, long long delta, long long *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    long long n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    n += delta;
+    if (out) *out = n;
+    PyObject *w = PyLong_FromLongLong(n);
+    if (w == NULL) return -1;
+    int r = PyObject_SetAttr(o, name, w);
+    Py_DECREF(w);
+    return r;
+}
+
+static int attr_ll(PyObject *o, PyObject *name, long long *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_attr_ll(PyObject *o, PyObject *name, long long n) {
+    PyObject *w = PyLong_FromLongLong(n);
+    if (w == NULL) return -1;
+    int r = PyObject_SetAttr(o, name, w);
+    Py_DECREF(w);
+    return r;
+}
+
+/* Python's ``untrack`` of dtr/core/collector.py, for objects that are never weakrefs. */
+static inline void gc_untrack(PyObject *o) {
+    if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
+}
+
+/* A cell's storage (a storage is its own root cell), borrowed; NULL if ``c`` is neither. */
+static inline PyObject *storage_of(PyObject *c) {
+    if (Py_TYPE(c) == T_Storage) return c;
+    if (Py_TYPE(c) == T_Cell) return SLOT(c, C_storage);
+    return NULL;
+}
+
+static inline PyObject *value_of(PyObject *c) {
+    return SLOT(c, Py_TYPE(c) == T_Storage ? S_off[S_value] : C_value);
+}
+
+static inline PyObject *call_method0(PyObject *o, PyObject *name) {
+    PyObject *args[1] = {o};
+    return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+static int hook_leaf(PyObject *driver, PyObject *a, PyObject **hooks);
+
+/* Driver._scan for a simple op: 0 done, 1 the Python path must run the op, -1 error. */
+
+static int scan(PyObject *items, PyObject *template, PyObject *values, PyObject *inputs,
+                PyObject *slots, PyObject *consts, PyObject *rt, PyObject *driver,
+                PyObject *where, PyObject **hooks) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    PyObject **it = PySequence_Fast_ITEMS(items);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = it[i];
+        PyTypeObject *tp = Py_TYPE(a);
+        if (tp == T_DTRTensor) {
+            PyObject *ref = SLOT(a, W_dtr);
+            if (ref == NULL) return 1;
+            PyObject *c = SLOT(ref, R_cell);
+            if (c == NULL) return 1;
+            PyObject *s = storage_of(c);
+            /* another engine's wrapper (read by value), or a newer version to resolve */
+            if (s == NULL || SLOT(s, S_off[S_runtime]) != rt || SLOT(s, S_off[S_forward]) != Py_None)
+                return 1;
+            PyObject *v = value_of(c);
+            if (v == NULL || v == Py_None) return 1; /* evicted: acquire rematerializes it */
+            PyObject *slot = where == NULL ? Py_BuildValue("(nin)", i, -1, PyList_GET_SIZE(inputs))
+                                           : Py_BuildValue("(Onn)", where, i, PyList_GET_SIZE(inputs));
+            if (slot == NULL) return -1;
+            int r = PyList_Append(slots, slot);
+            Py_DECREF(slot);
+            if (r < 0 || PyList_Append(inputs, c) < 0) return -1;
+            Py_INCREF(Py_None);
+            PyList_SetItem(template, i, Py_None);
+            Py_INCREF(v);
+            PyList_SetItem(values, i, v);
+        } else if (PyType_IsSubtype(tp, T_Tensor)) {
+            if (hook_leaf(driver, a, hooks) < 0) return -1;
+            if (PyList_Append(consts, a) < 0) return -1;
+        } else if ((tp == &PyList_Type || tp == &PyTuple_Type) && Py_SIZE(a) > 0) {
+            if (where != NULL) return 1; /* lists in lists: the Python path */
+            PyObject *t = PySequence_List(a);
+            PyObject *v = PySequence_List(a);
+            PyObject *w = PyLong_FromSsize_t(i);
+            PyObject *fast = PySequence_Fast(a, "");
+            int r = -1;
+            if (t && v && w && fast) r = scan(fast, t, v, inputs, slots, consts, rt, driver, w, hooks);
+            Py_XDECREF(w);
+            Py_XDECREF(fast);
+            if (r != 0) {
+                Py_XDECREF(t);
+                Py_XDECREF(v);
+                return r;
+            }
+            PyList_SetItem(template, i, t);
+            PyList_SetItem(values, i, v);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Runtime.unlock: -1 if a release raised. */
+
+static int unlock(PyObject *rt, PyObject *inputs) {
+    Py_ssize_t n = PyList_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = storage_of(PyList_GET_ITEM(inputs, i));
+        if (add_slot(s, S_off[S_locks], -1) < 0) return -1;
+        long long locks = PyLong_AsLongLong(SLOT(s, S_off[S_locks]));
+        long long refs = PyLong_AsLongLong(SLOT(s, S_off[S_refs]));
+        long long uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
+        if (PyErr_Occurred()) return -1;
+        if (locks == 0 && refs == 0 && uses == 0 && SLOT(s, S_off[S_state]) != O_RELEASED) {
+            PyObject *r = PyObject_CallFunctionObjArgs(O_release, rt, s, NULL);
+            if (r == NULL) return -1;
+            Py_DECREF(r);
+        }
+    }
+    return 0;
+}
+
+/* Runtime._drop_values(s) */
+static int drop_values(PyObject *rt, PyObject *s) {
+    PyObject *arriving = PyObject_GetAttr(rt, A_arriving);
+    if (arriving == NULL) return -1;
+    int any = PyObject_IsTrue(arriving);
+    if (any > 0) {
+        PyObject *r = PyObject_CallMethodObjArgs(arriving, A_pop, s, Py_None, NULL);
+        if (r == NULL) any = -1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(arriving);
+    if (any < 0) return -1;
+    set_slot(s, S_off[S_value], Py_None);
+    PyObject *views = PySequence_Fast(SLOT(s, S_off[S_views]), "views");
+    if (views == NULL) return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(views); i++) {
+        PyObject *c = PyObject_CallNoArgs(PySequence_Fast_GET_ITEM(views, i)); /* the weakref's cell */
+        if (c == NULL) {
+            Py_DECREF(views);
+            return -1;
+        }
+        int r = c == Py_None ? 0 : PyObject_SetAttr(c, A_value, Py_None);
+        Py_DECREF(c);
+        if (r < 0) {
+            Py_DECREF(views);
+            return -1;
+        }
+    }
+    Py_DECREF(views);
+    set_slot(s, S_off[S_views], EMPTY);
+    return 0;
+}
+
+/* Runtime._evict(s) */
+static int evict(PyObject *rt, PyObject *s) {
+    if (SLOT(s, S_off[S_slot]) != Py_None) { /* it has a row in the candidate index */
+        PyObject *index = PyObject_GetAttr(rt, A__index);
+        PyObject *r = index ? PyObject_CallMethodOneArg(index, A_drop, s) : NULL;
+        Py_XDECREF(index);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    PyObject *resident = PyObject_GetAttr(rt, A_resident);
+    if (resident == NULL) return -1;
+    int r = PyObject_DelItem(resident, s);
+    Py_DECREF(resident);
+    long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
+    if (r < 0 || (nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
+    set_slot(s, S_off[S_state], O_EVICTED);
+    if (drop_values(rt, s) < 0) return -1;
+    PyObject *hook = PyObject_GetAttr(rt, A__on_evict);
+    PyObject *done = hook ? PyObject_CallOneArg(hook, s) : NULL;
+    Py_XDECREF(hook);
+    if (done == NULL) return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* Runtime._unreferenced(s): release, or eager eviction; a storage without lineage that may
+ * yield to its dependents goes to the Python method. */
+static int unreferenced(PyObject *rt, PyObject *s) {
+    long long locks = PyLong_AsLongLong(SLOT(s, S_off[S_locks]));
+    long long uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
+    if (PyErr_Occurred()) return -1;
+    if (locks) return 0;
+    if (uses == 0) {
+        PyObject *r = PyObject_CallFunctionObjArgs(O_release, rt, s, NULL);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    if (SLOT(s, S_off[S_state]) != O_RESIDENT) return 0;
+    PyObject *parent = SLOT(s, S_off[S_parent]);
+    int recomputable = 0;
+    if (parent != Py_None) {
+        PyObject *replayable = PyObject_GetAttr(parent, A_replayable);
+        if (replayable == NULL) return -1;
+        recomputable = PyObject_IsTrue(replayable);
+        Py_DECREF(replayable);
+        if (recomputable < 0) return -1;
+    }
+    PyObject *deps = SLOT(s, S_off[S_dependents]);
+    if (!recomputable) {
+        int any = PyObject_IsTrue(deps);
+        if (any <= 0) return any;
+        PyObject *r = PyObject_CallMethodOneArg(rt, A__unreferenced, s);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(deps);
+    if (it == NULL) return -1;
+    PyObject *t;
+    while ((t = PyIter_Next(it)) != NULL) {
+        long long refs = PyLong_AsLongLong(SLOT(t, S_off[S_refs]));
+        int kept = refs != 0 && SLOT(t, S_off[S_state]) == O_EVICTED;
+        Py_DECREF(t);
+        if (refs == -1 && PyErr_Occurred()) {
+            Py_DECREF(it);
+            return -1;
+        }
+        if (kept) { /* an evicted tensor the program holds is recomputed from this one */
+            Py_DECREF(it);
+            return 0;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred() || evict(rt, s) < 0) return -1;
+    PyObject *counters = PyObject_GetAttr(rt, A_counters);
+    int r = counters ? add_attr(counters, A_eager_evictions, 1, NULL) : -1;
+    Py_XDECREF(counters);
+    return r;
+}
+
+/* Runtime.drain: apply queued wrapper deaths. */
+static int drain(PyObject *rt) {
+    PyObject *dead = PyObject_GetAttr(rt, A__dead);
+    if (dead == NULL) return -1;
+    for (;;) {
+        Py_ssize_t n = PyObject_Length(dead);
+        if (n <= 0) {
+            Py_DECREF(dead);
+            return (int)n;
+        }
+        PyObject *cell = call_method0(dead, A_popleft);
+        if (cell == NULL) break;
+        PyObject *s = storage_of(cell);
+        if (s == NULL) {
+            Py_DECREF(cell);
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: a dead wrapper's cell is neither a Storage nor a Cell");
+            break;
+        }
+        Py_INCREF(s);
+        Py_DECREF(cell);
+        while (SLOT(s, S_off[S_forward]) != Py_None) Py_SETREF(s, Py_NewRef(SLOT(s, S_off[S_forward])));
+        int r = add_slot(s, S_off[S_refs], -1);
+        if (r == 0 && PyLong_AsLongLong(SLOT(s, S_off[S_refs])) == 0) r = unreferenced(rt, s);
+        Py_DECREF(s);
+        if (r < 0) break;
+    }
+    Py_DECREF(dead);
+    return -1;
+}
+
+/* Runtime._new_storage(nbytes, rec, 0, value, now): a new reference. */
+static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyObject *value,
+                             PyObject *now, PyObject *cost) {
+    long long sid;
+    if (add_attr(rt, A__sid, 1, &sid) < 0) return NULL;
+    PyObject *s = T_Storage->tp_alloc(T_Storage, 0);
+    if (s == NULL) return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *backward = PyObject_GetAttr(rt, A__backward);
+    if (backward == NULL || steal_slot(s, S_off[S_sid], PyLong_FromLongLong(sid)) < 0 ||
+        steal_slot(s, S_off[S_nbytes], PyLong_FromLongLong(nbytes)) < 0) {
+        Py_XDECREF(backward);
+        Py_DECREF(zero);
+        Py_DECREF(s);
+        return NULL;
+    }
+    set_slot(s, S_off[S_runtime], rt);
+    set_slot(s, S_off[S_state], O_RESIDENT);
+    set_slot(s, S_off[S_locks], zero);
+    set_slot(s, S_off[S_refs], zero);
+    set_slot(s, S_off[S_uses], zero);
+    set_slot(s, S_off[S_last_access], now);
+    set_slot(s, S_off[S_cost], cost);
+    set_slot(s, S_off[S_parent], rec);
+    set_slot(s, S_off[S_index], zero);
+    set_slot(s, S_off[S_value], value);
+    set_slot(s, S_off[S_views], EMPTY);
+    set_slot(s, S_off[S_dependents], EMPTY);
+    set_slot(s, S_off[S_forward], Py_None);
+    set_slot(s, S_off[S_hdata], Py_None);
+    set_slot(s, S_off[S_slot], Py_None);
+    set_slot(s, S_off[S_protected], zero);
+    set_slot(s, S_off[S_backward], PyObject_IsTrue(backward) ? Py_True : Py_False);
+    Py_DECREF(backward);
+    Py_DECREF(zero);
+    PyObject *resident = PyObject_GetAttr(rt, A_resident);
+    PyObject *all = PyObject_GetAttr(rt, A__all);
+    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    int ok = resident && all && untrack && PyDict_SetItem(resident, s, Py_None) == 0 &&
+             PyDict_SetItem(all, s, Py_None) == 0;
+    if (ok && untrack != Py_None && untrack_gc) gc_untrack(s);
+    Py_XDECREF(resident);
+    Py_XDECREF(all);
+    Py_XDECREF(untrack);
+    if (!ok || add_attr(rt, A_memory, nbytes, NULL) < 0) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* outputs.wire(rt, rec, new, now) */
+static int wire(PyObject *rt, PyObject *rec, PyObject *new, PyObject *now) {
+    Py_ssize_t live = PyList_GET_SIZE(new);
+    if (steal_slot(rec, K_off[K_live], PyLong_FromSsize_t(live)) < 0) return -1;
+    PyObject *inputs = SLOT(rec, K_off[K_inputs]);
+    Py_ssize_t n = PyList_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < n; i++) set_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_last_access], now);
+    if (!live || SLOT(rec, K_off[K_replayable]) != Py_True) return 0;
+    PyObject *ins;
+    if (n == 1) {
+        PyObject *c = PyList_GET_ITEM(inputs, 0);
+        if (Py_TYPE(c) == T_Storage) {
+            Py_INCREF(inputs);
+            ins = inputs;
+        } else {
+            ins = PyTuple_Pack(1, storage_of(c));
+        }
+    } else if (n == 2 && PyList_GET_ITEM(inputs, 0) != PyList_GET_ITEM(inputs, 1) &&
+               Py_TYPE(PyList_GET_ITEM(inputs, 0)) == T_Storage &&
+               Py_TYPE(PyList_GET_ITEM(inputs, 1)) == T_Storage) {
+        Py_INCREF(inputs);
+        ins = inputs;
+    } else {
+        PyObject *seen = PyDict_New();
+        if (seen == NULL) return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (PyDict_SetItem(seen, storage_of(PyList_GET_ITEM(inputs, i)), Py_None) < 0) {
+                Py_DECREF(seen);
+                return -1;
+            }
+        }
+        PyObject *keys = PyDict_Keys(seen);
+        Py_DECREF(seen);
+        if (keys == NULL) return -1;
+        ins = PyList_AsTuple(keys);
+        Py_DECREF(keys);
+    }
+    if (ins == NULL) return -1;
+    set_slot(rec, K_off[K_use_storages], ins);
+    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    if (untrack == NULL) {
+        Py_DECREF(ins);
+        return -1;
+    }
+    int untracking = untrack != Py_None && untrack_gc;
+    Py_DECREF(untrack);
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(ins);
+    PyObject **items = PySequence_Fast_ITEMS(ins);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *s = items[i];
+        if (add_slot(s, S_off[S_uses], 1) < 0) goto fail;
+        PyObject *deps = SLOT(s, S_off[S_dependents]);
+        int truth = PyObject_IsTrue(deps);
+        if (truth < 0) goto fail;
+        if (!truth) {
+            if (steal_slot(s, S_off[S_dependents], PyDict_New()) < 0) goto fail;
+            deps = SLOT(s, S_off[S_dependents]);
+        }
+        for (Py_ssize_t j = 0; j < live; j++)
+            if (PyObject_SetItem(deps, PyList_GET_ITEM(new, j), Py_None) < 0) goto fail;
+        if (untracking) gc_untrack(deps);
+    }
+    if (untracking) {
+        gc_untrack(rec);
+        gc_untrack(inputs);
+        gc_untrack(SLOT(rec, K_off[K_outputs]));
+        gc_untrack(ins);
+    }
+    Py_DECREF(ins);
+    return 0;
+fail:
+    Py_DECREF(ins);
+    return -1;
+}
+
+/* outputs.new_view(base's storage, rec, 0, value): a new reference. */
+static PyObject *new_view(PyObject *base, PyObject *rec, PyObject *value) {
+    PyObject *c = T_Cell->tp_alloc(T_Cell, 0);
+    if (c == NULL) return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    set_slot(c, C_storage, storage_of(base));
+    set_slot(c, C_parent, rec);
+    steal_slot(c, C_index, zero);
+    set_slot(c, C_value, value);
+    set_slot(c, C_forward, Py_None);
+    PyObject *r = PyObject_CallMethodOneArg(storage_of(base), A_add_view, c);
+    if (r == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return c;
+}
+
+/* Runtime.complete(rec, (), ((nbytes, value, base),)) for a runtime without a host tier: the
+ * output's cell (a new storage, or with ``base`` a view of it; a new reference), or NULL with
+ * the inputs unlocked. */
+static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObject *value, PyObject *base) {
+    PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
+    long long clock, memory, high;
+    if (add_attr(rt, A_clock, 1, &clock) < 0) goto fail;
+    now = PyLong_FromLongLong(clock);
+    if (now == NULL) goto fail;
+    work = PyObject_GetAttr(rt, A_work);
+    if (work == NULL) goto fail;
+    Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
+    if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
+    if (base == NULL) {
+        s = new_storage(rt, nbytes, rec, value, now, SLOT(rec, K_off[K_cost]));
+        if (s == NULL) goto fail;
+        outs = PyList_New(1);
+        new = PyList_New(1);
+        if (outs == NULL || new == NULL) goto fail;
+        Py_INCREF(s);
+        PyList_SET_ITEM(outs, 0, s);
+        Py_INCREF(s);
+        PyList_SET_ITEM(new, 0, s);
+    } else {
+        s = new_view(base, rec, value);
+        if (s == NULL) goto fail;
+        outs = PyList_New(1);
+        new = PyList_New(0);
+        PyObject *weak = outs ? PyWeakref_NewRef(s, NULL) : NULL; /* Note [Views held weakly] */
+        if (weak == NULL || new == NULL) goto fail;
+        PyList_SET_ITEM(outs, 0, weak);
+    }
+    set_slot(rec, K_off[K_outputs], outs);
+    if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
+    if (memory > high && set_attr_ll(rt, A__high, memory) < 0) goto fail;
+    if (nbytes) {
+        PyObject *budget = PyObject_GetAttr(rt, A_budget);
+        if (budget == NULL) goto fail;
+        int over = 0;
+        if (budget != Py_None) {
+            long long b = PyLong_AsLongLong(budget);
+            if (b == -1 && PyErr_Occurred()) {
+                Py_DECREF(budget);
+                goto fail;
+            }
+            over = memory > b;
+        }
+        Py_DECREF(budget);
+        if (over) {
+            PyObject *zero = PyLong_FromLong(0);
+            PyObject *r = zero ? PyObject_CallFunctionObjArgs(O_fit, rt, rec, new, zero, NULL) : NULL;
+            Py_XDECREF(zero);
+            if (r == NULL) goto fail;
+            Py_DECREF(r);
+        }
+    }
+    if (wire(rt, rec, new, now) < 0) goto fail;
+    Py_CLEAR(outs);
+    Py_CLEAR(new);
+    Py_CLEAR(now);
+    Py_CLEAR(work);
+    if (unlock(rt, SLOT(rec, K_off[K_inputs])) < 0) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    PyObject *on_op = PyObject_GetAttr(rt, A_on_op);
+    if (on_op == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    if (on_op != Py_None) {
+        PyObject *r = PyObject_CallOneArg(on_op, rt);
+        Py_DECREF(on_op);
+        if (r == NULL) {
+            Py_DECREF(s);
+            return NULL;
+        }
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(on_op);
+    }
+    return s;
+fail:
+    Py_XDECREF(s);
+    Py_XDECREF(outs);
+    Py_XDECREF(new);
+    Py_XDECREF(now);
+    Py_XDECREF(work);
+    {
+        /* the finally of Runtime.complete: an error it raises replaces the first */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (unlock(rt, SLOT(rec, K_off[K_inputs])) < 0) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+    return NULL;
+}
+
+/* Call(name, inputs, cost, True, func, args, None, slots, grad) with rng None and fresh (0,). */
+static PyObject *new_call(PyObject *name, PyObject *inputs, PyObject *cost, PyObject *func,
+                          PyObject *args, PyObject *slots, PyObject *grad) {
+    PyObject *c = T_Call->tp_alloc(T_Call, 0);
+    if (c == NULL) return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *empty = EMPTY;
+    PyObject *outputs = PyList_New(0);
+    if (zero == NULL || outputs == NULL) {
+        Py_XDECREF(zero);
+        Py_XDECREF(outputs);
+        Py_DECREF(c);
+        return NULL;
+    }
+    set_slot(c, K_off[K_name], name);
+    set_slot(c, K_off[K_inputs], inputs);
+    set_slot(c, K_off[K_use_storages], empty);
+    steal_slot(c, K_off[K_outputs], outputs);
+    set_slot(c, K_off[K_cost], cost);
+    set_slot(c, K_off[K_payload], Py_None);
+    set_slot(c, K_off[K_replayable], Py_True);
+    set_slot(c, K_off[K_live], zero);
+    set_slot(c, K_off[K_func], func);
+    set_slot(c, K_off[K_args], args);
+    set_slot(c, K_off[K_kwargs], Py_None);
+    set_slot(c, K_off[K_slots], slots);
+    set_slot(c, K_off[K_rng], Py_None);
+    set_slot(c, K_off[K_grad], grad);
+    set_slot(c, K_off[K_versions], zero);
+    set_slot(c, K_off[K_derive], Py_None);
+    set_slot(c, K_off[K_fresh], O_first);
+    set_slot(c, K_off[K_consts], empty);
+    set_slot(c, K_off[K_clone_args], empty);
+    Py_DECREF(zero);
+    return c;
+}
+
+/* tensor.make_wrapper(value, rt, cell) with Runtime.track. */
+static PyObject *make_wrapper(PyObject *value, PyObject *rt, PyObject *cell) {
+    PyObject *size = call_method0(value, A_size);
+    if (size == NULL) return NULL;
+    PyObject *w = NULL, *dtype = NULL, *device = NULL, *contig = NULL, *offset = NULL, *ref = NULL;
+    int plain = 0;
+    contig = call_method0(value, A_is_contiguous);
+    if (contig == NULL) goto done;
+    if (contig == Py_True) {
+        offset = call_method0(value, A_storage_offset);
+        if (offset == NULL) goto done;
+        long long off = PyLong_AsLongLong(offset);
+        if (off == -1 && PyErr_Occurred()) goto done;
+        if (off == 0) {
+            plain = 1;
+            Py_ssize_t n = PyTuple_GET_SIZE(size); /* torch.Size is a tuple */
+            for (Py_ssize_t i = 0; i < n && plain; i++) {
+                long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(size, i));
+                if (d == -1 && PyErr_Occurred()) goto done;
+                if (d == 0 || d == 1) plain = 0;
+            }
+        }
+    }
+    dtype = PyObject_GetAttr(value, A_dtype);
+    device = PyObject_GetAttr(value, A_device);
+    if (dtype == NULL || device == NULL) goto done;
+    if (plain) {
+        PyObject *a[8] = {(PyObject *)T_DTRTensor, size, Py_None, Py_None, Py_None, dtype, O_strided, device};
+        w = PyObject_Vectorcall(O_mws, a, 8, NULL);
+    } else {
+        PyObject *stride = call_method0(value, A_stride);
+        Py_XSETREF(offset, call_method0(value, A_storage_offset));
+        if (stride == NULL || offset == NULL) {
+            Py_XDECREF(stride);
+            goto done;
+        }
+        PyObject *a[8] = {(PyObject *)T_DTRTensor, size, stride, offset, Py_None, dtype, O_strided, device};
+        w = PyObject_Vectorcall(O_mws, a, 8, NULL);
+        Py_DECREF(stride);
+    }
+    if (w == NULL) goto done;
+    /* Runtime.track */
+    PyObject *cb = PyObject_GetAttr(rt, A__wrapper_died);
+    if (cb == NULL) goto fail;
+    ref = PyObject_CallFunctionObjArgs((PyObject *)T_Ref, w, cb, NULL);
+    Py_DECREF(cb);
+    if (ref == NULL) goto fail;
+    set_slot(ref, R_cell, cell);
+    PyObject *refs = PyObject_GetAttr(rt, A__refs);
+    if (refs == NULL) goto fail;
+    PyObject *key = PyLong_FromVoidPtr(ref);
+    int r = key ? PyDict_SetItem(refs, key, ref) : -1;
+    Py_XDECREF(key);
+    Py_DECREF(refs);
+    if (r < 0 || add_slot(storage_of(cell), S_off[S_refs], 1) < 0) goto fail;
+    set_slot(w, W_dtr, ref);
+    goto done;
+fail:
+    Py_CLEAR(w);
+done:
+    Py_XDECREF(ref);
+    Py_XDECREF(size);
+    Py_XDECREF(contig);
+    Py_XDECREF(offset);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    return w;
+}
+
+static int seconds_now(double *t) {
+    PyObject *v = PyObject_CallNoArgs(O_perf_counter);
+    if (v == NULL) return -1;
+    *t = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*t == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* Driver._run for a simple op called without keyword arguments (a new reference), or
+ * FALLBACK having changed nothing. */
+static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
+    PyObject *rt = NULL, *targs = NULL, *vals = NULL, *inputs = NULL, *slots = NULL,
+             *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL;
+    int locked = 0;
+    if (SLOT(facts, F_random) != Py_False) return Py_NewRef(FALLBACK);
+    rt = PyObject_GetAttr(driver, A_rt);
+    if (rt == NULL) return NULL;
+    {
+        /* Note [Room before an op] in driver.py: the Python path makes room first */
+        PyObject *budget = PyObject_GetAttr(rt, A_budget);
+        if (budget == NULL) goto error;
+        if (budget != Py_None && SLOT(facts, F_sized) == Py_True) {
+            long long b = PyLong_AsLongLong(budget), memory, largest;
+            Py_DECREF(budget);
+            if ((b == -1 && PyErr_Occurred()) || attr_ll(rt, A_memory, &memory) < 0 ||
+                attr_ll(driver, A_largest_output, &largest) < 0)
+                goto error;
+            if (memory + largest > b) goto fallback;
+        } else {
+            Py_DECREF(budget);
+        }
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    targs = PySequence_List(args);
+    vals = PySequence_List(args);
+    inputs = PyList_New(0);
+    slots = PyList_New(0);
+    consts = PyList_New(0);
+    if (!targs || !vals || !inputs || !slots || !consts) goto error;
+    int r = scan(args, targs, vals, inputs, slots, consts, rt, driver, NULL, &hooks);
+    if (r < 0) goto error;
+    if (r > 0) goto fallback;
+    /* Runtime.acquire: every input is defined */
+    Py_ssize_t ni = PyList_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < ni; i++) {
+        if (add_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_locks], 1) < 0) {
+            /* unreachable for int slots; undo the locks taken */
+            for (Py_ssize_t j = 0; j < i; j++) add_slot(storage_of(PyList_GET_ITEM(inputs, j)), S_off[S_locks], -1);
+            goto error;
+        }
+    }
+    locked = 1;
+    double t0, t1;
+    grad = PyObject_CallNoArgs(O_is_grad_enabled);
+    if (grad == NULL || seconds_now(&t0) < 0) goto error;
+    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, NULL);
+    if (out == NULL || seconds_now(&t1) < 0) goto error;
+    PyObject *seconds = PyFloat_FromDouble(t1 - t0);
+    if (seconds == NULL) goto error;
+    long long nbytes = 0;
+    int native = 0;
+    if (Py_TYPE(out) == T_Tensor) {
+        PyObject *layout = PyObject_GetAttr(out, A_layout);
+        if (layout == NULL) goto error_seconds;
+        Py_DECREF(layout);
+        if (layout == O_strided) {
+            native = 1;
+            for (Py_ssize_t i = 0; i < ni && native; i++)
+                if (value_of(PyList_GET_ITEM(inputs, i)) == out) native = 0; /* an input returned */
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consts) && native; i++)
+                if (PyList_GET_ITEM(consts, i) == out) native = 0; /* the Python path raises */
+            if (native) {
+                PyObject *us = call_method0(out, A_untyped_storage);
+                PyObject *nb = us ? call_method0(us, A_nbytes) : NULL;
+                Py_XDECREF(us);
+                if (nb == NULL) goto error_seconds;
+                nbytes = PyLong_AsLongLong(nb);
+                Py_DECREF(nb);
+                if (nbytes == -1 && PyErr_Occurred()) goto error_seconds;
+                native = nbytes > 0;
+            }
+        }
+    }
+    if (!native) {
+        /* Driver._register_one: the Python continuation (it unlocks on error) */
+        locked = 0;
+        PyObject *a[14] = {driver, facts, func, out, seconds, inputs, targs, Py_None,
+                           slots, consts, grad, Py_None, vals, O_no_kwargs};
+        result = PyObject_VectorcallMethod(A__register_one, a, 14 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(seconds);
+        goto done;
+    }
+    /* Driver._register_one's common case: one new strided tensor */
+    {
+        PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
+        if (estimate == NULL) goto error_seconds;
+        int estimated = PyObject_IsTrue(estimate);
+        Py_DECREF(estimate);
+        if (estimated < 0) goto error_seconds;
+        if (estimated) {
+            PyObject *outs = PyTuple_Pack(1, out);
+            PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
+            Py_XDECREF(outs);
+            if (e == NULL) goto error_seconds;
+            Py_SETREF(seconds, e);
+        }
+    }
+    {
+        PyObject *total = PyObject_GetAttr(driver, A_op_seconds);
+        if (total == NULL) goto error_seconds;
+        Py_SETREF(total, PyNumber_Add(total, seconds));
+        if (total == NULL || PyObject_SetAttr(driver, A_op_seconds, total) < 0) {
+            Py_XDECREF(total);
+            goto error_seconds;
+        }
+        Py_DECREF(total);
+        long long largest;
+        if (attr_ll(driver, A_largest_output, &largest) < 0) goto error_seconds;
+        if (nbytes > largest && set_attr_ll(driver, A_largest_output, nbytes) < 0) goto error_seconds;
+    }
+    PyObject *targs_t = PyList_AsTuple(targs);
+    PyObject *slots_t = targs_t ? PyList_AsTuple(slots) : NULL;
+    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad) : NULL;
+    Py_XDECREF(targs_t);
+    Py_XDECREF(slots_t);
+    Py_DECREF(seconds);
+    if (call == NULL) goto error;
+    locked = 0; /* complete unlocks, also when it fails */
+    PyObject *cell = complete(rt, call, nbytes, out, NULL);
+    if (cell == NULL) {
+        Py_DECREF(call);
+        goto error;
+    }
+    if (PyList_GET_SIZE(consts)) {
+        PyObject *use = PyObject_GetAttr(driver, A__use_constants);
+        PyObject *info = use ? PyObject_CallOneArg(use, consts) : NULL;
+        Py_XDECREF(use);
+        if (info == NULL) {
+            Py_DECREF(cell);
+            Py_DECREF(call);
+            goto error;
+        }
+        steal_slot(call, K_off[K_consts], info);
+        if (untrack_gc) {
+            gc_untrack(SLOT(call, K_off[K_args]));
+            gc_untrack(info);
+        }
+    }
+    result = make_wrapper(out, rt, cell);
+    Py_DECREF(cell);
+    Py_DECREF(call);
+    if (result != NULL) registered++;
+    goto done;
+
+error_seconds:
+    Py_DECREF(seconds);
+error:
+    if (locked) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *u = PyObject_CallMethodOneArg(rt, A_unlock, inputs);
+        if (u == NULL) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(u);
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+    result = NULL;
+    goto done;
+fallback:
+    result = Py_NewRef(FALLBACK);
+done:
+    Py_XDECREF(rt);
+    Py_XDECREF(targs);
+    Py_XDECREF(vals);
+    Py_XDECREF(inputs);
+    Py_XDECREF(slots);
+    Py_XDECREF(consts);
+    Py_XDECREF(hooks);
+    Py_XDECREF(out);
+    Py_XDECREF(grad);
+    return result;
+}
+
+/* Views._run_view: a one-view op of this engine's ``base`` (argument ``i``), without keyword
+ * arguments; FALLBACK, having changed nothing, where the base must be resolved or recomputed. */
+static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
+                         PyObject *base, PyObject *args, Py_ssize_t i) {
+    PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
+    PyObject *s = storage_of(c);
+    if (s == NULL || SLOT(s, S_off[S_forward]) != Py_None || value_of(c) == Py_None) return Py_NewRef(FALLBACK);
+    PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *seconds = NULL,
+             *result = NULL;
+    int locked = 0;
+    targs = PySequence_List(args);
+    vals = PySequence_List(args);
+    inputs = PyList_New(1);
+    if (!targs || !vals || !inputs) goto error;
+    Py_INCREF(c);
+    PyList_SET_ITEM(inputs, 0, c);
+    Py_INCREF(Py_None);
+    PyList_SetItem(targs, i, Py_None);
+    Py_INCREF(value_of(c));
+    PyList_SetItem(vals, i, value_of(c));
+    if (add_slot(s, S_off[S_locks], 1) < 0) goto error;
+    locked = 1;
+    double t0, t1;
+    grad = PyObject_CallNoArgs(O_is_grad_enabled);
+    if (grad == NULL || seconds_now(&t0) < 0) goto error;
+    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
+    if (out == NULL || seconds_now(&t1) < 0) goto error;
+    seconds = PyFloat_FromDouble(t1 - t0);
+    if (seconds == NULL) goto error;
+    {
+        PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
+        if (estimate == NULL) goto error;
+        int estimated = PyObject_IsTrue(estimate);
+        Py_DECREF(estimate);
+        if (estimated < 0) goto error;
+        if (estimated) {
+            PyObject *outs = PyTuple_Pack(1, out);
+            PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
+            Py_XDECREF(outs);
+            if (e == NULL) goto error;
+            Py_SETREF(seconds, e);
+        }
+    }
+    locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
+    {
+        PyObject *total = PyObject_GetAttr(driver, A_op_seconds);
+        if (total == NULL) goto error;
+        Py_SETREF(total, PyNumber_Add(total, seconds));
+        int r = total ? PyObject_SetAttr(driver, A_op_seconds, total) : -1;
+        Py_XDECREF(total);
+        if (r < 0) goto error;
+    }
+    PyObject *targs_t = PyList_AsTuple(targs);
+    PyObject *slots = targs_t ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : NULL;
+    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots, grad) : NULL;
+    Py_XDECREF(targs_t);
+    Py_XDECREF(slots);
+    if (call == NULL) goto error;
+    PyObject *cell = complete(rt, call, 0, out, c);
+    Py_DECREF(call);
+    if (cell == NULL) goto error;
+    result = make_wrapper(out, rt, cell);
+    Py_DECREF(cell);
+    if (result != NULL) registered++;
+    goto done;
+error:
+    if (locked) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (unlock(rt, inputs) < 0) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+done:
+    Py_XDECREF(targs);
+    Py_XDECREF(vals);
+    Py_XDECREF(inputs);
+    Py_XDECREF(grad);
+    Py_XDECREF(out);
+    Py_XDECREF(seconds);
+    return result;
+}
+
+/* Gradients._hook for a leaf that requires grad and is not hooked yet, as Driver._scan does
+ * for every tensor it reads as a constant; *hooks caches the driver's dict. */
+static int hook_leaf(PyObject *driver, PyObject *a, PyObject **hooks) {
+    PyObject *rg = PyObject_GetAttr(a, A_requires_grad);
+    if (rg == NULL) return -1;
+    Py_DECREF(rg);
+    if (rg != Py_True) return 0;
+    PyObject *leaf = PyObject_GetAttr(a, A_is_leaf);
+    if (leaf == NULL) return -1;
+    Py_DECREF(leaf);
+    if (leaf != Py_True) return 0;
+    if (*hooks == NULL && (*hooks = PyObject_GetAttr(driver, A_hooks)) == NULL) return -1;
+    PyObject *key = PyLong_FromVoidPtr(a);
+    if (key == NULL) return -1;
+    int has = PySequence_Contains(*hooks, key);
+    Py_DECREF(key);
+    if (has) return has < 0 ? -1 : 0;
+    PyObject *base = PyObject_GetAttr(a, A__base);
+    if (base == NULL) return -1;
+    Py_DECREF(base);
+    if (base != Py_None) return 0;
+    PyObject *r = PyObject_CallMethodOneArg(driver, A__hook, a);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Driver.passthrough for a view or detach of a tensor the engine does not manage (a view of a
+ * constant is a constant: ``weight.t()``), where no argument is one of the engine's wrappers:
+ * the op's result, or FALLBACK having changed nothing. */
+static PyObject *plain_view(PyObject *driver, PyObject *func, PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t i = 0; i < n; i++) { /* wrappers are read by value: the Python path */
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (Py_TYPE(a) == T_DTRTensor) return Py_NewRef(FALLBACK);
+        if (Py_TYPE(a) == &PyList_Type || Py_TYPE(a) == &PyTuple_Type)
+            for (Py_ssize_t j = 0; j < Py_SIZE(a); j++)
+                if (Py_TYPE(PySequence_Fast_GET_ITEM(a, j)) == T_DTRTensor) return Py_NewRef(FALLBACK);
+    }
+    PyObject *hooks = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        int r = 0;
+        if (PyType_IsSubtype(Py_TYPE(a), T_Tensor)) {
+            r = hook_leaf(driver, a, &hooks);
+        } else if (Py_TYPE(a) == &PyList_Type || Py_TYPE(a) == &PyTuple_Type) {
+            for (Py_ssize_t j = 0; j < Py_SIZE(a) && r == 0; j++) {
+                PyObject *b = PySequence_Fast_GET_ITEM(a, j);
+                if (PyType_IsSubtype(Py_TYPE(b), T_Tensor)) r = hook_leaf(driver, b, &hooks);
+            }
+        }
+        if (r < 0) {
+            Py_XDECREF(hooks);
+            return NULL;
+        }
+    }
+    Py_XDECREF(hooks);
+    return PyObject_Call(func, args, NULL);
+}
+
+/* Views._alias: ``detach`` or ``alias`` of this engine's ``base``, a new wrapper over its cell. */
+static PyObject *alias(PyObject *driver, PyObject *rt, PyObject *base) {
+    PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
+    PyObject *s = storage_of(c);
+    if (s == NULL || SLOT(s, S_off[S_forward]) != Py_None || value_of(c) == Py_None)
+        return PyObject_CallMethodOneArg(driver, A__alias, base); /* resolve, or recompute */
+    PyObject *w = make_wrapper(value_of(c), rt, c);
+    if (w != NULL) registered++;
+    return w;
+}
+
+static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 4 || !PyTuple_Check(argv[3])) {
+        PyErr_SetString(PyExc_TypeError, "run_simple(driver, facts, func, args: tuple)");
+        return NULL;
+    }
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() was not called");
+        return NULL;
+    }
+    return simple_op(argv[0], argv[1], argv[2], argv[3]);
+}
+
+/* The rest of an op, under the runtime's lock: Driver.dispatch after its preamble. */
+static PyObject *route(PyObject *driver, PyObject *rt, PyObject *func, PyObject *args, PyObject *kwargs) {
+    PyObject *facts = PyDict_GetItemWithError(O_FACTS, func);
+    if (facts == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        facts = PyObject_CallOneArg(O_facts_for, func);
+        if (facts == NULL) return NULL;
+    } else {
+        Py_INCREF(facts);
+    }
+    PyObject *result = NULL;
+    if (add_attr(driver, A_ops, 1, NULL) < 0) goto done;
+    {
+        PyObject *dead = PyObject_GetAttr(rt, A__dead);
+        if (dead == NULL) goto done;
+        int any = PyObject_IsTrue(dead);
+        Py_DECREF(dead);
+        if (any < 0) goto done;
+        if (any && drain(rt) < 0) goto done;
+    }
+    {
+        PyObject *node = PyObject_CallNoArgs(O_current_node);
+        if (node == NULL) goto done;
+        PyObject *was = PyObject_GetAttr(driver, A_node);
+        if (was == NULL) {
+            Py_DECREF(node);
+            goto done;
+        }
+        Py_DECREF(was); /* only compared */
+        if (node != was) {
+            int ok = 1;
+            if ((node == Py_None) != (was == Py_None)) {
+                PyObject *r = PyObject_CallMethodOneArg(rt, A_set_backward, node != Py_None ? Py_True : Py_False);
+                ok = r != NULL;
+                Py_XDECREF(r);
+            }
+            PyObject *next = ok && PyObject_SetAttr(driver, A_node, node) == 0 ? PyObject_GetAttr(rt, A_next_sid) : NULL;
+            ok = next != NULL && PyObject_SetAttr(driver, A_node_from, next) == 0;
+            Py_XDECREF(next);
+            if (!ok) {
+                Py_DECREF(node);
+                goto done;
+            }
+        }
+        Py_DECREF(node);
+    }
+    int no_kwargs = kwargs == NULL || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
+    PyObject *kind = SLOT(facts, F_kind);
+    if (kind == O_DETACH || (kind == O_VIEW && no_kwargs && SLOT(facts, F_one_view) == Py_True)) {
+        Py_ssize_t i = PyLong_AsSsize_t(SLOT(facts, F_view_of));
+        if (i == -1 && PyErr_Occurred()) goto done;
+        PyObject *base = i < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, i) : NULL;
+        if (base != NULL && Py_TYPE(base) == T_DTRTensor) {
+            PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
+            PyObject *s = c ? storage_of(c) : NULL;
+            if (s != NULL && SLOT(s, S_off[S_runtime]) == rt) {
+                result = kind == O_DETACH ? alias(driver, rt, base) : view_op(driver, rt, facts, func, base, args, i);
+                if (result != FALLBACK) goto done;
+                Py_CLEAR(result);
+            }
+        } else if (base != NULL && no_kwargs) {
+            result = plain_view(driver, func, args);
+            if (result != FALLBACK) goto done;
+            Py_CLEAR(result);
+        }
+    } else if (SLOT(facts, F_simple) == Py_True && no_kwargs) {
+        if (func == O_ADD && PyTuple_GET_SIZE(args) == 2) {
+            /* Gradients.__summing's conditions hold only with grad mode off: ask it then */
+            PyObject *grad = PyObject_CallNoArgs(O_is_grad_enabled);
+            if (grad == NULL) goto done;
+            Py_DECREF(grad);
+            PyObject *summing = grad == Py_True ? Py_NewRef(Py_False) : PyObject_CallMethodOneArg(driver, A__summing, args);
+            if (summing == NULL) goto done;
+            Py_DECREF(summing);
+            if (summing == Py_True) {
+                PyObject *a[3] = {driver, facts, args};
+                result = PyObject_VectorcallMethod(A__sum, a, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+                goto done;
+            }
+        }
+        result = simple_op(driver, facts, func, args);
+        if (result != FALLBACK) goto done;
+        Py_DECREF(result);
+        PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
+        result = PyObject_VectorcallMethod(A__execute, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        goto done;
+    }
+    {
+        PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
+        result = PyObject_VectorcallMethod(A__route, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+done:
+    Py_DECREF(facts);
+    return result;
+}
+
+/* Driver.dispatch(func, args, kwargs), bound to a driver by ``dispatcher``. */
+static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 3 || !PyTuple_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "dispatch(func, args: tuple, kwargs)");
+        return NULL;
+    }
+    PyObject *rt = PyObject_GetAttr(driver, A_rt);
+    if (rt == NULL) return NULL;
+    PyObject *lock = PyObject_GetAttr(rt, A_lock);
+    PyObject *held = lock ? call_method0(lock, A_acquire) : NULL;
+    if (held == NULL) {
+        Py_XDECREF(lock);
+        Py_DECREF(rt);
+        return NULL;
+    }
+    Py_DECREF(held);
+    PyObject *result = route(driver, rt, argv[0], argv[1], argv[2] == Py_None ? NULL : argv[2]);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *released = call_method0(lock, A_release);
+    if (released == NULL) { /* as ``with``: an error leaving the lock replaces the op's */
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        Py_CLEAR(result);
+    } else {
+        Py_DECREF(released);
+        PyErr_Restore(et, ev, tb);
+    }
+    Py_DECREF(lock);
+    Py_DECREF(rt);
+    return result;
+}
+
+static PyMethodDef dispatch_def = {
+    "dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
+    "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops."};
+
+static PyObject *dispatcher(PyObject *module, PyObject *driver) {
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() was not called");
+        return NULL;
+    }
+    return PyCFunction_NewEx(&dispatch_def, driver, NULL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* bind */
+
+static int offset_of(PyTypeObject *tp, const char *name, Py_ssize_t *off) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
+    if (d == NULL) return -1;
+    if (!Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "dtr_ext._hotpath: %s.%s is not a slot", tp->tp_name, name);
+        Py_DECREF(d);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX && m->type != T_OBJECT) {
+        PyErr_Format(PyExc_TypeError, "dtr_ext._hotpath: %s.%s is not an object slot", tp->tp_name, name);
+        Py_DECREF(d);
+        return -1;
+    }
+    *off = m->offset;
+    Py_DECREF(d);
+    return 0;
+}
+
+/* The slots of ``tp`` and its bases (``__slots__``, without ``__weakref__``) must be exactly
+ * ``names``: the fields this file fills when it makes one. */
+static int same_fields(PyTypeObject *tp, const char **names, int n, Py_ssize_t *offs) {
+    for (int i = 0; i < n; i++)
+        if (offset_of(tp, names[i], &offs[i]) < 0) return -1;
+    Py_ssize_t count = 0;
+    PyObject *mro = tp->tp_mro;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+        PyObject *dict = ((PyTypeObject *)PyTuple_GET_ITEM(mro, i))->tp_dict;
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(dict, &pos, &key, &value))
+            if (Py_IS_TYPE(value, &PyMemberDescr_Type) &&
+                ((PyMemberDescrObject *)value)->d_member->type == T_OBJECT_EX)
+                count++;
+    }
+    if (count != n) {
+        PyErr_Format(PyExc_TypeError,
+                     "dtr_ext._hotpath: %s has %zd slots, the native path fills %d: rebuild "
+                     "dtr_ext and bring hotpath.c in step with it",
+                     tp->tp_name, count, n);
+        return -1;
+    }
+    return 0;
+}
+
+#define GET(name)                                                                  \
+    do {                                                                           \
+        PyObject *v_ = PyDict_GetItemString(config, #name);                        \
+        if (v_ == NULL) {                                                          \
+            PyErr_SetString(PyExc_KeyError, "dtr_ext._hotpath.bind: missing " #name); \
+            return NULL;                                                           \
+        }                                                                          \
+        Py_INCREF(v_);                                                             \
+        Py_XSETREF(O_##name, v_);                                                  \
+    } while (0)
+#define GET_TYPE(name)                                                             \
+    do {                                                                           \
+        PyObject *v_ = PyDict_GetItemString(config, #name);                        \
+        if (v_ == NULL || !PyType_Check(v_)) {                                     \
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.bind: " #name " must be a type"); \
+            return NULL;                                                           \
+        }                                                                          \
+        Py_INCREF(v_);                                                             \
+        Py_XSETREF(T_##name, (PyTypeObject *)v_);                                  \
+    } while (0)
+
+static PyObject *O_FALLBACK, *O_Facts;
+
+static PyObject *bind(PyObject *module, PyObject *config) {
+    if (!PyDict_Check(config)) {
+        PyErr_SetString(PyExc_TypeError, "bind(config: dict)");
+        return NULL;
+    }
+    bound = 0;
+    GET_TYPE(Tensor);
+    GET_TYPE(DTRTensor);
+    GET_TYPE(Storage);
+    GET_TYPE(Cell);
+    GET_TYPE(Call);
+    GET_TYPE(Ref);
+    GET(strided);
+    GET(RESIDENT);
+    GET(RELEASED);
+    GET(EVICTED);
+    GET(VIEW);
+    GET(DETACH);
+    GET(release);
+    GET(fit);
+    GET(mws);
+    GET(is_grad_enabled);
+    GET(perf_counter);
+    GET(no_kwargs);
+    GET(first);
+    GET(estimate_seconds);
+    GET(FACTS);
+    GET(facts_for);
+    GET(current_node);
+    GET(ADD);
+    GET(FALLBACK);
+    GET(Facts);
+    FALLBACK = O_FALLBACK;
+    PyObject *u = PyDict_GetItemString(config, "untrack_gc");
+    if (u == NULL) {
+        PyErr_SetString(PyExc_KeyError, "dtr_ext._hotpath.bind: missing untrack_gc");
+        return NULL;
+    }
+    untrack_gc = PyObject_IsTrue(u);
+    if (!PyType_Check(O_Facts)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.bind: Facts must be a type");
+        return NULL;
+    }
+    PyTypeObject *facts = (PyTypeObject *)O_Facts;
+    if (offset_of(T_DTRTensor, "_dtr", &W_dtr) < 0 || offset_of(T_Ref, "cell", &R_cell) < 0 ||
+        offset_of(T_Cell, "storage", &C_storage) < 0 || offset_of(T_Cell, "value", &C_value) < 0 ||
+        offset_of(T_Cell, "forward", &C_forward) < 0 || offset_of(T_Cell, "parent", &C_parent) < 0 ||
+        offset_of(T_Cell, "index", &C_index) < 0 || offset_of(facts, "kind", &F_kind) < 0 ||
+        offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
+        offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
+        offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
+        same_fields(T_Call, K_NAMES, K_N, K_off) < 0)
+        return NULL;
+    if (T_Storage->tp_alloc != PyType_GenericAlloc || T_Call->tp_alloc != PyType_GenericAlloc) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage and Call must be plain classes");
+        return NULL;
+    }
+    bound = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *count(PyObject *module, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(registered);
+}
+
+static PyMethodDef methods[] = {
+    {"registered", count, METH_NOARGS,
+     "registered(): how many ops the native path has registered itself in this process."},
+    {"dispatcher", (PyCFunction)dispatcher, METH_O,
+     "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble and simple ops "
+     "native; other ops go to the driver's _route."},
+    {"run_simple", (PyCFunction)(void (*)(void))run_simple, METH_FASTCALL,
+     "run_simple(driver, facts, func, args): run a simple op as Driver._run does, or return the "
+     "FALLBACK sentinel (nothing changed) for the Python path to run it."},
+    {"bind", (PyCFunction)bind, METH_O,
+     "bind(config): the classes, functions and constants of dtr the native path uses."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dtr_ext._hotpath",
+                                    "The eager driver's simple op in one native call.", -1, methods};
+
+#define INTERN(name)                                          \
+    do {                                                      \
+        if ((A_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL; \
+    } while (0)
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(hooks);
+    INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
+    INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(op_seconds); INTERN(clock);
+    INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);
+    INTERN(_high); INTERN(on_op); INTERN(_use_constants); INTERN(size); INTERN(is_contiguous);
+    INTERN(storage_offset); INTERN(stride); INTERN(dtype); INTERN(device); INTERN(_wrapper_died);
+    INTERN(_refs);
+    INTERN(estimate); INTERN(lock); INTERN(acquire); INTERN(release); INTERN(ops); INTERN(_dead);
+    INTERN(drain); INTERN(node); INTERN(node_from); INTERN(set_backward); INTERN(next_sid);
+    INTERN(_summing); INTERN(_sum); INTERN(_execute); INTERN(_route); INTERN(arriving); INTERN(pop);
+    INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
+    INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
+    INTERN(_hook); INTERN(_alias); INTERN(add_view);
+    if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,229 @@
+"""The native path (``dtr_ext._hotpath``, eager/native.py) against the Python path it mirrors:
+the same records and storages, field by field, and the same decisions (evictions in the same
+order, the same replays, the same gradients bit for bit) on zoo models under budgets that evict
+and on random programs at random budgets; nothing changed where it hands an op back to the
+Python path; and a record class changed without hotpath.c turning the native path off instead
+of leaving a field unset (and, in a checkout where it is built, not off)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+
+import dtr
+from dtr.core import Storage
+from dtr.core.runtime import Runtime
+from dtr.eager import native
+from dtr.eager.ops import facts_for
+from dtr.eager.replay import Call
+from dtr.testing import zoo
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
+
+from test_programs import assert_same as assert_as_eager, programs, run_dtr, run_eager
+
+needs_native = pytest.mark.skipif(not native.NATIVE, reason=f"no native path: {native.WHY_NOT}")
+
+
+def test_a_built_native_path_is_on():
+    """bind refuses record classes whose slots differ from hotpath.c's (the path then turns off
+    quietly, saying why in ``WHY_NOT``): where the module is built, that must not happen."""
+    if os.environ.get("DTR_PUREPYTHON", "") not in ("", "0"):
+        pytest.skip("DTR_PUREPYTHON is set")
+    try:
+        import dtr_ext._hotpath  # noqa: F401
+    except ImportError:
+        pytest.skip("dtr_ext is not built")
+    assert native.NATIVE, native.WHY_NOT
+
+
+@contextlib.contextmanager
+def _python_path():
+    """Drivers made inside take the Python path."""
+    run = native.run_simple
+    native.run_simple = None
+    try:
+        yield
+    finally:
+        native.run_simple = run
+
+
+@contextlib.contextmanager
+def _evictions():
+    """Every eviction of runtimes made inside, in order (for the budget or eager: each tells
+    the heuristic), with the bytes charged after it."""
+    evicted = []
+    init = Runtime.__init__
+
+    def logged(rt, *args, **kwargs):
+        init(rt, *args, **kwargs)
+        on_evict = rt._on_evict
+
+        def told(s):
+            on_evict(s)
+            evicted.append((s.sid, s.nbytes, s.parent and s.parent.name, rt.memory))
+
+        rt._on_evict = told
+
+    Runtime.__init__ = logged
+    try:
+        yield evicted
+    finally:
+        Runtime.__init__ = init
+
+
+def _tensor(t):
+    return ("tensor", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+
+
+def _template(args):
+    return tuple(
+        [_tensor(x) for x in a] if isinstance(a, list) else _tensor(a) for a in args
+    )
+
+
+def _cell(c):
+    if type(c) is Storage:
+        return ("root", c.sid)
+    return ("view", c.storage.sid, c.index, c.value is not None)
+
+
+def _record(rec):
+    if rec is None:
+        return None
+    fields = [
+        type(rec).__name__, rec.name, [_cell(c) for c in rec.inputs],
+        [s.sid for s in rec.use_storages],
+        [o.sid if type(o) is Storage else o is None for o in rec.outputs],
+        rec.cost, rec.replayable, rec.live,
+        [gc.is_tracked(o) for o in (rec, rec.inputs, rec.outputs, rec.use_storages)],
+    ]
+    if type(rec) is Call:
+        fields += [
+            rec.func, _template(rec.args), rec.kwargs, rec.slots, rec.rng is None, rec.grad,
+            rec.versions, rec.derive, rec.fresh, [_tensor(x) for x in rec.consts[1::3]],
+            rec.consts[2::3], rec.clone_args,
+            # untracked with its constants; a tuple of atomic values only the collector untracks
+            gc.is_tracked(rec.args) if rec.consts else None,
+        ]
+    return fields
+
+
+def _graph(rt: Runtime):
+    """Every storage of the runtime with its fields and its parent record's."""
+    return [
+        (
+            s.sid, s.nbytes, s.state, s.locks, s.refs, s.uses, s.last_access, s.cost, s.index,
+            s.value is not None, len(s.views), [t.sid for t in s.dependents],
+            s.forward and s.forward.sid, s.slot, s.protected, s.backward, gc.is_tracked(s),
+            gc.is_tracked(s.dependents), _record(s.parent),
+        )
+        for s in rt.storages()
+    ] + [rt.memory, rt.peak, rt.clock, rt.work, rt.next_sid, len(rt.live_refs())]
+
+
+def _step(name, fraction, python):
+    """One step of zoo model ``name`` at ``fraction`` of its peak (estimated costs): its result,
+    the graph after the forward pass, and every eviction in order."""
+    w = zoo.build(name, "tiny")
+    graphs = []
+
+    def loss_fn(model, batch):
+        loss = w.loss_fn(model, batch)
+        graphs.append(_graph(engine.runtime))
+        return loss
+
+    with _python_path() if python else contextlib.nullcontext():
+        unlimited = run_step(w, fresh_model(w), None, cost="estimate")
+        engine = dtr.budget(budget_at(unlimited.stats, fraction), cost="estimate")
+        with _evictions() as evicted:
+            result = run_step(dataclasses.replace(w, loss_fn=loss_fn), fresh_model(w), engine)
+    return result, graphs[0], evicted
+
+
+@pytest.mark.parametrize("name,fraction", [
+    ("mlp", 0.5), ("transformer", 0.4), ("lstmcell", 0.5), ("gru_cell", 0.5), ("treelstm", 0.7),
+    ("resnet", 0.5),
+])
+@needs_native
+def test_both_paths_record_and_evict_alike(name, fraction):
+    before = native.registered()
+    result, graph, evicted = _step(name, fraction, python=False)
+    handled = native.registered()
+    assert handled - before > result.stats.ops / 4  # most forward ops are simple
+    python, python_graph, python_evicted = _step(name, fraction, python=True)
+    assert native.registered() == handled  # the Python run did not use the native path
+    assert graph == python_graph
+    assert evicted == python_evicted
+    assert result.stats.evictions > 0 and result.stats.eager_evictions > 0
+    assert result.stats == python.stats
+    assert_same(result, python)
+    assert_same(result, run_step(zoo.build(name, "tiny"), fresh_model(zoo.build(name, "tiny")), "eager"))
+
+
+def _run(program, seed, limit, python):
+    """``run_dtr`` on one path: its outcome (None if out of budget), evictions and error."""
+    with _python_path() if python else contextlib.nullcontext(), _evictions() as evicted:
+        try:
+            return run_dtr(program, seed, limit), evicted, None
+        except dtr.OutOfBudgetError as e:
+            return None, evicted, str(e)
+
+
+@needs_native
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs, seed=st.integers(0, 2**16), fraction=st.floats(0.05, 1.0))
+def test_random_programs_take_the_same_decisions_on_both_paths(program, seed, fraction):
+    eager = run_eager(program, seed)
+    assume(eager is not None)
+    with _python_path():
+        limit = budget_at(run_dtr(program, seed, None).stats, fraction)
+    got, evicted, error = _run(program, seed, limit, python=False)
+    want, want_evicted, want_error = _run(program, seed, limit, python=True)
+    assert evicted == want_evicted
+    assert error == want_error
+    if got is not None:
+        assert got.stats == want.stats
+        assert_as_eager(got, eager)
+        assert_as_eager(want, eager)
+
+
+@needs_native
+def test_an_op_the_native_path_hands_back_changes_nothing():
+    mul = torch.ops.aten.mul.Tensor
+    x = torch.randn(8, 8)
+    with dtr.budget(None, cost="estimate") as engine:
+        y = x * 2
+        z = y + 1  # keeps y's lineage: y can be evicted
+        rt = engine.runtime
+        s = y._dtr.cell.storage
+        assert rt.evict([s]) == s.nbytes
+        before = (rt.memory, rt.clock, rt.next_sid, s.locks, s.refs, s.uses, len(rt.live_refs()))
+        assert native.run_simple(rt.executor, facts_for(mul), mul, (y, y)) is native.FALLBACK
+        assert (rt.memory, rt.clock, rt.next_sid, s.locks, s.refs, s.uses, len(rt.live_refs())) == before
+        assert torch.equal(dtr.materialize(y * y), (x * 2) * (x * 2))  # the Python path runs it
+        del z
+
+
+@needs_native
+def test_a_record_class_changed_without_hotpath_c_turns_the_native_path_off():
+    from dtr_ext import _hotpath
+
+    class Wider(Storage):
+        __slots__ = ("extra",)
+
+    config = native._config()
+    config["Storage"] = Wider
+    try:
+        with pytest.raises(TypeError, match="slots, the native path fills"):
+            _hotpath.bind(config)
+        with pytest.raises(RuntimeError, match="bind"):
+            native.run_simple(None, None, None, ())
+    finally:
+        _hotpath.bind(native._config())
