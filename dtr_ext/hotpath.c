@@ -768,6 +768,31 @@ static int seconds_now(double *t) {
 
 /* ------------------------------------------------------------------------------------------ */
 
+/* With ``cost="estimate"``, replace ``*seconds`` by the estimate (Driver._register_one). */
+static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject *out, PyObject **seconds) {
+    PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
+    if (estimate == NULL) return -1;
+    int on = PyObject_IsTrue(estimate);
+    Py_DECREF(estimate);
+    if (on <= 0) return on;
+    PyObject *outs = PyTuple_Pack(1, out);
+    PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
+    Py_XDECREF(outs);
+    if (e == NULL) return -1;
+    Py_SETREF(*seconds, e);
+    return 0;
+}
+
+/* ``driver.op_seconds += seconds`` */
+static int add_seconds(PyObject *driver, PyObject *seconds) {
+    PyObject *total = PyObject_GetAttr(driver, A_op_seconds);
+    if (total == NULL) return -1;
+    Py_SETREF(total, PyNumber_Add(total, seconds));
+    int r = total ? PyObject_SetAttr(driver, A_op_seconds, total) : -1;
+    Py_XDECREF(total);
+    return r;
+}
+
 /* Driver._run for a simple op called without keyword arguments (a new reference), or
  * FALLBACK having changed nothing. */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
@@ -853,29 +878,9 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         goto done;
     }
     /* Driver._register_one's common case: one new strided tensor */
+    if (estimated(driver, func, vals, out, &seconds) < 0) goto error_seconds;
     {
-        PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
-        if (estimate == NULL) goto error_seconds;
-        int estimated = PyObject_IsTrue(estimate);
-        Py_DECREF(estimate);
-        if (estimated < 0) goto error_seconds;
-        if (estimated) {
-            PyObject *outs = PyTuple_Pack(1, out);
-            PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
-            Py_XDECREF(outs);
-            if (e == NULL) goto error_seconds;
-            Py_SETREF(seconds, e);
-        }
-    }
-    {
-        PyObject *total = PyObject_GetAttr(driver, A_op_seconds);
-        if (total == NULL) goto error_seconds;
-        Py_SETREF(total, PyNumber_Add(total, seconds));
-        if (total == NULL || PyObject_SetAttr(driver, A_op_seconds, total) < 0) {
-            Py_XDECREF(total);
-            goto error_seconds;
-        }
-        Py_DECREF(total);
+        if (add_seconds(driver, seconds) < 0) goto error_seconds;
         long long largest;
         if (attr_ll(driver, A_largest_output, &largest) < 0) goto error_seconds;
         if (nbytes > largest && set_attr_ll(driver, A_largest_output, nbytes) < 0) goto error_seconds;
@@ -976,29 +981,9 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     if (out == NULL || seconds_now(&t1) < 0) goto error;
     seconds = PyFloat_FromDouble(t1 - t0);
     if (seconds == NULL) goto error;
-    {
-        PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
-        if (estimate == NULL) goto error;
-        int estimated = PyObject_IsTrue(estimate);
-        Py_DECREF(estimate);
-        if (estimated < 0) goto error;
-        if (estimated) {
-            PyObject *outs = PyTuple_Pack(1, out);
-            PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
-            Py_XDECREF(outs);
-            if (e == NULL) goto error;
-            Py_SETREF(seconds, e);
-        }
-    }
+    if (estimated(driver, func, vals, out, &seconds) < 0) goto error;
     locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
-    {
-        PyObject *total = PyObject_GetAttr(driver, A_op_seconds);
-        if (total == NULL) goto error;
-        Py_SETREF(total, PyNumber_Add(total, seconds));
-        int r = total ? PyObject_SetAttr(driver, A_op_seconds, total) : -1;
-        Py_XDECREF(total);
-        if (r < 0) goto error;
-    }
+    if (add_seconds(driver, seconds) < 0) goto error;
     PyObject *targs_t = PyList_AsTuple(targs);
     PyObject *slots = targs_t ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : NULL;
     PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots, grad) : NULL;
