@@ -11,8 +11,9 @@
  * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
  * instead (a random op, a budget close enough that the driver makes room first, an evicted
- * input, another engine's wrapper, nested lists) it
- * returns the ``FALLBACK`` sentinel having changed nothing, and the op goes to
+ * input, another engine's wrapper, nested lists) it returns the ``FALLBACK`` sentinel having
+ * changed nothing but wrappers resolved to their storage's newest version (which the Python
+ * path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
  * ``Driver._register_one`` (the Python continuation), evicting for the budget to
  * ``outputs.fit``.
@@ -88,7 +89,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_req
     *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
-    *A_add_view;
+    *A_add_view, *A_resolve;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -177,6 +178,24 @@ static inline PyObject *call_method0(PyObject *o, PyObject *name) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* ``ref.cell = rt.resolve(ref.cell)`` where the cell's storage has a newer version (Note
+ * [Versions]); the current cell, borrowed from ``ref``. */
+static PyObject *resolved(PyObject *rt, PyObject *ref) {
+    PyObject *c = SLOT(ref, R_cell);
+    PyObject *s = storage_of(c);
+    if (s == NULL || SLOT(s, S_off[S_forward]) == Py_None) return c;
+    PyObject *now = PyObject_CallMethodOneArg(rt, A_resolve, c);
+    if (now == NULL) return NULL;
+    if (storage_of(now) == NULL) {
+        Py_DECREF(now);
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Runtime.resolve returned neither a Storage nor a Cell");
+        return NULL;
+    }
+    set_slot(ref, R_cell, now);
+    Py_DECREF(now);
+    return SLOT(ref, R_cell);
+}
+
 static int hook_leaf(PyObject *driver, PyObject *a, PyObject **hooks);
 
 /* Driver._scan for a simple op: 0 done, 1 the Python path must run the op, -1 error. */
@@ -195,9 +214,8 @@ static int scan(PyObject *items, PyObject *template, PyObject *values, PyObject 
             PyObject *c = SLOT(ref, R_cell);
             if (c == NULL) return 1;
             PyObject *s = storage_of(c);
-            /* another engine's wrapper (read by value), or a newer version to resolve */
-            if (s == NULL || SLOT(s, S_off[S_runtime]) != rt || SLOT(s, S_off[S_forward]) != Py_None)
-                return 1;
+            if (s == NULL || SLOT(s, S_off[S_runtime]) != rt) return 1; /* read by value */
+            if ((c = resolved(rt, ref)) == NULL) return -1;
             PyObject *v = value_of(c);
             if (v == NULL || v == Py_None) return 1; /* evicted: acquire rematerializes it */
             PyObject *slot = where == NULL ? Py_BuildValue("(nin)", i, -1, PyList_GET_SIZE(inputs))
@@ -794,7 +812,7 @@ static int add_seconds(PyObject *driver, PyObject *seconds) {
 }
 
 /* Driver._run for a simple op called without keyword arguments (a new reference), or
- * FALLBACK having changed nothing. */
+ * FALLBACK having changed nothing but resolved wrappers (module comment). */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
     PyObject *rt = NULL, *targs = NULL, *vals = NULL, *inputs = NULL, *slots = NULL,
              *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL;
@@ -953,12 +971,13 @@ done:
 }
 
 /* Views._run_view: a one-view op of this engine's ``base`` (argument ``i``), without keyword
- * arguments; FALLBACK, having changed nothing, where the base must be resolved or recomputed. */
+ * arguments; FALLBACK where the base must be recomputed. */
 static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
                          PyObject *base, PyObject *args, Py_ssize_t i) {
-    PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
+    PyObject *c = resolved(rt, SLOT(base, W_dtr));
+    if (c == NULL) return NULL;
     PyObject *s = storage_of(c);
-    if (s == NULL || SLOT(s, S_off[S_forward]) != Py_None || value_of(c) == Py_None) return Py_NewRef(FALLBACK);
+    if (value_of(c) == Py_None) return Py_NewRef(FALLBACK); /* to recompute */
     PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *seconds = NULL,
              *result = NULL;
     int locked = 0;
@@ -1081,10 +1100,9 @@ static PyObject *plain_view(PyObject *driver, PyObject *func, PyObject *args) {
 
 /* Views._alias: ``detach`` or ``alias`` of this engine's ``base``, a new wrapper over its cell. */
 static PyObject *alias(PyObject *driver, PyObject *rt, PyObject *base) {
-    PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
-    PyObject *s = storage_of(c);
-    if (s == NULL || SLOT(s, S_off[S_forward]) != Py_None || value_of(c) == Py_None)
-        return PyObject_CallMethodOneArg(driver, A__alias, base); /* resolve, or recompute */
+    PyObject *c = resolved(rt, SLOT(base, W_dtr));
+    if (c == NULL) return NULL;
+    if (value_of(c) == Py_None) return PyObject_CallMethodOneArg(driver, A__alias, base); /* recompute */
     PyObject *w = make_wrapper(value_of(c), rt, c);
     if (w != NULL) registered++;
     return w;
@@ -1388,7 +1406,7 @@ static PyMethodDef methods[] = {
      "native; other ops go to the driver's _route."},
     {"run_simple", (PyCFunction)(void (*)(void))run_simple, METH_FASTCALL,
      "run_simple(driver, facts, func, args): run a simple op as Driver._run does, or return the "
-     "FALLBACK sentinel (nothing changed) for the Python path to run it."},
+     "FALLBACK sentinel (nothing changed but resolved wrappers) for the Python path to run it."},
     {"bind", (PyCFunction)bind, METH_O,
      "bind(config): the classes, functions and constants of dtr the native path uses."},
     {NULL, NULL, 0, NULL},
@@ -1415,7 +1433,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_summing); INTERN(_sum); INTERN(_execute); INTERN(_route); INTERN(arriving); INTERN(pop);
     INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
-    INTERN(_hook); INTERN(_alias); INTERN(add_view);
+    INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

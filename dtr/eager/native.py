@@ -2,7 +2,8 @@
 tensor, no writes) in one native call.
 
 ``run_simple(driver, facts, func, args)`` runs such an op as ``Driver._run`` does, or returns
-``FALLBACK`` having changed nothing, for the Python path to run it (hotpath.c says when).
+``FALLBACK`` having changed nothing (but wrappers resolved to their storage's newest version,
+which the Python path does first too), for the Python path to run it (hotpath.c says when).
 ``dispatcher(driver)`` is ``driver.dispatch`` with its preamble native too (the lock, queued
 wrapper deaths, the autograd node), simple ops run by ``run_simple``'s code and the others
 handed to ``Driver._route``: a ``Driver`` installs it as its ``dispatch``. The
