@@ -146,7 +146,8 @@ class Driver(Views, Gradients, HostCopies):
 
     def dispatch(self, func, args, kwargs):
         """Run one op (module docstring). With the native path, the driver's ``dispatch`` is
-        native.py's, which does the same natively up to ``_route``, and runs simple ops itself."""
+        native.py's, which does the same natively up to ``_route``, and runs simple ops, one-view
+        ops and ``detach`` itself."""
         facts = FACTS.get(func)
         if facts is None:
             facts = facts_for(func)
