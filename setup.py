@@ -3,8 +3,8 @@
 ``dtr_ext._planner`` speeds up ``dtr.planner``'s DPs; the pure-Python planner gives the same plans.
 ``dtr_ext._collector`` keeps the engine's records out of Python's cyclic collector; without it the
 engine behaves the same, with more collector work per op. ``dtr_ext._hotpath`` runs the eager
-driver's simple ops in one native call; without it the Python path makes the same decisions. If no C compiler is found or a build
-fails, installation goes on without it and says so here; at run time ``dtr.planner.HAS_NATIVE``
+driver's per-op path in one native call; without it the Python path makes the same decisions.
+If no C compiler is found or a build fails, installation goes on without it and says so here; at run time ``dtr.planner.HAS_NATIVE``
 (one warning says why), ``dtr.core.collector.NATIVE`` and ``dtr.eager.native.NATIVE`` tell.
 """
 

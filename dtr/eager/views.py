@@ -17,6 +17,7 @@ from time import perf_counter
 import torch
 
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.native import FIRST as _FIRST
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor, make_wrapper
@@ -25,7 +26,6 @@ from dtr.errors import DTRError
 __all__ = ["Views"]
 
 _no_python_dispatch = torch._C._DisableTorchDispatch
-_FIRST = (0,)
 
 
 class Views:
