@@ -12,8 +12,8 @@
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
  * instead (a random op, a budget close enough that the driver makes room first, an evicted
  * input, another engine's wrapper, nested lists) it returns the ``FALLBACK`` sentinel having
- * changed nothing but wrappers resolved to their storage's newest version (which the Python
- * path does first too), and the op goes to
+ * changed nothing but wrappers resolved to their storage's newest version and parameters
+ * hooked (which the Python path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
  * ``Driver._register_one`` (the Python continuation), evicting for the budget to
  * ``outputs.fit``.
@@ -45,11 +45,10 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
 
-static PyObject *FALLBACK;
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_release, *O_fit, *O_mws,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
-    *O_FACTS, *O_facts_for, *O_current_node, *O_ADD, *O_EVICTED,
+    *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH;
 static PyObject *EMPTY; /* () */
 static int untrack_gc; /* the collector module is native: untrack as it does */
@@ -57,7 +56,15 @@ static int bound;
 static unsigned long long registered; /* ops registered natively, for tests */
 
 /* Slot offsets. */
-static Py_ssize_t W_dtr, R_cell, C_storage, C_value, C_forward, C_parent, C_index;
+static Py_ssize_t W_dtr, R_cell;
+enum { C_STORAGE, C_PARENT, C_INDEX, C_VALUE, C_FORWARD, C_N };
+static const char *C_NAMES[C_N] = {"storage", "parent", "index", "value", "forward"};
+static Py_ssize_t C_off[C_N];
+#define C_storage C_off[C_STORAGE]
+#define C_parent C_off[C_PARENT]
+#define C_index C_off[C_INDEX]
+#define C_value C_off[C_VALUE]
+#define C_forward C_off[C_FORWARD]
 static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_kind, F_one_view, F_view_of;
 enum {
     S_runtime, S_sid, S_nbytes, S_state, S_locks, S_refs, S_uses, S_last_access, S_cost, S_parent,
@@ -85,7 +92,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_req
     *A__register_one, *A_op_seconds, *A_clock, *A_work, *A__sid, *A__backward, *A_resident,
     *A__all, *A__untrack, *A__high, *A_on_op, *A__use_constants, *A_size, *A_is_contiguous,
     *A_storage_offset, *A_stride, *A_dtype, *A_device, *A__wrapper_died, *A__refs, *A_estimate,
-    *A_lock, *A_acquire, *A_release, *A_ops, *A__dead, *A_drain, *A_node, *A_node_from,
+    *A_lock, *A_acquire, *A_release, *A_ops, *A__dead, *A_node, *A_node_from,
     *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
@@ -320,8 +327,9 @@ static int evict(PyObject *rt, PyObject *s) {
     if (resident == NULL) return -1;
     int r = PyObject_DelItem(resident, s);
     Py_DECREF(resident);
+    if (r < 0) return -1;
     long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
-    if (r < 0 || (nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
+    if ((nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
     set_slot(s, S_off[S_state], O_EVICTED);
     if (drop_values(rt, s) < 0) return -1;
     PyObject *hook = PyObject_GetAttr(rt, A__on_evict);
@@ -418,6 +426,20 @@ static int drain(PyObject *rt) {
     return -1;
 }
 
+/* Runtime.unlock on an error path, as Python's ``finally``/``except``: an error the unlock
+ * raises replaces the pending one. */
+static void unlock_after_error(PyObject *rt, PyObject *inputs) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (unlock(rt, inputs) < 0) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+    } else {
+        PyErr_Restore(et, ev, tb);
+    }
+}
+
 /* Runtime._new_storage(nbytes, rec, 0, value, now): a new reference. */
 static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyObject *value,
                              PyObject *now, PyObject *cost) {
@@ -427,10 +449,11 @@ static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyOb
     if (s == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
     PyObject *backward = PyObject_GetAttr(rt, A__backward);
-    if (backward == NULL || steal_slot(s, S_off[S_sid], PyLong_FromLongLong(sid)) < 0 ||
+    int made_backward = backward ? PyObject_IsTrue(backward) : -1;
+    if (zero == NULL || made_backward < 0 || steal_slot(s, S_off[S_sid], PyLong_FromLongLong(sid)) < 0 ||
         steal_slot(s, S_off[S_nbytes], PyLong_FromLongLong(nbytes)) < 0) {
         Py_XDECREF(backward);
-        Py_DECREF(zero);
+        Py_XDECREF(zero);
         Py_DECREF(s);
         return NULL;
     }
@@ -450,7 +473,7 @@ static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyOb
     set_slot(s, S_off[S_hdata], Py_None);
     set_slot(s, S_off[S_slot], Py_None);
     set_slot(s, S_off[S_protected], zero);
-    set_slot(s, S_off[S_backward], PyObject_IsTrue(backward) ? Py_True : Py_False);
+    set_slot(s, S_off[S_backward], made_backward ? Py_True : Py_False);
     Py_DECREF(backward);
     Py_DECREF(zero);
     PyObject *resident = PyObject_GetAttr(rt, A_resident);
@@ -595,8 +618,8 @@ static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObjec
         if (s == NULL) goto fail;
         outs = PyList_New(1);
         new = PyList_New(0);
-        PyObject *weak = outs ? PyWeakref_NewRef(s, NULL) : NULL; /* Note [Views held weakly] */
-        if (weak == NULL || new == NULL) goto fail;
+        PyObject *weak = outs && new ? PyWeakref_NewRef(s, NULL) : NULL; /* Note [Views held weakly] */
+        if (weak == NULL) goto fail;
         PyList_SET_ITEM(outs, 0, weak);
     }
     set_slot(rec, K_off[K_outputs], outs);
@@ -655,18 +678,7 @@ fail:
     Py_XDECREF(new);
     Py_XDECREF(now);
     Py_XDECREF(work);
-    {
-        /* the finally of Runtime.complete: an error it raises replaces the first */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        if (unlock(rt, SLOT(rec, K_off[K_inputs])) < 0) {
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-        } else {
-            PyErr_Restore(et, ev, tb);
-        }
-    }
+    unlock_after_error(rt, SLOT(rec, K_off[K_inputs])); /* the finally of Runtime.complete */
     return NULL;
 }
 
@@ -812,12 +824,12 @@ static int add_seconds(PyObject *driver, PyObject *seconds) {
 }
 
 /* Driver._run for a simple op called without keyword arguments (a new reference), or
- * FALLBACK having changed nothing but resolved wrappers (module comment). */
+ * FALLBACK having changed nothing but resolved wrappers and hooked parameters (header). */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
     PyObject *rt = NULL, *targs = NULL, *vals = NULL, *inputs = NULL, *slots = NULL,
              *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL;
     int locked = 0;
-    if (SLOT(facts, F_random) != Py_False) return Py_NewRef(FALLBACK);
+    if (SLOT(facts, F_random) != Py_False) return Py_NewRef(O_FALLBACK);
     rt = PyObject_GetAttr(driver, A_rt);
     if (rt == NULL) return NULL;
     {
@@ -940,23 +952,11 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
 error_seconds:
     Py_DECREF(seconds);
 error:
-    if (locked) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        PyObject *u = PyObject_CallMethodOneArg(rt, A_unlock, inputs);
-        if (u == NULL) {
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-        } else {
-            Py_DECREF(u);
-            PyErr_Restore(et, ev, tb);
-        }
-    }
+    if (locked) unlock_after_error(rt, inputs);
     result = NULL;
     goto done;
 fallback:
-    result = Py_NewRef(FALLBACK);
+    result = Py_NewRef(O_FALLBACK);
 done:
     Py_XDECREF(rt);
     Py_XDECREF(targs);
@@ -977,7 +977,7 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     PyObject *c = resolved(rt, SLOT(base, W_dtr));
     if (c == NULL) return NULL;
     PyObject *s = storage_of(c);
-    if (value_of(c) == Py_None) return Py_NewRef(FALLBACK); /* to recompute */
+    if (value_of(c) == Py_None) return Py_NewRef(O_FALLBACK); /* to recompute */
     PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *seconds = NULL,
              *result = NULL;
     int locked = 0;
@@ -1017,17 +1017,7 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     if (result != NULL) registered++;
     goto done;
 error:
-    if (locked) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        if (unlock(rt, inputs) < 0) {
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-        } else {
-            PyErr_Restore(et, ev, tb);
-        }
-    }
+    if (locked) unlock_after_error(rt, inputs);
 done:
     Py_XDECREF(targs);
     Py_XDECREF(vals);
@@ -1072,10 +1062,10 @@ static PyObject *plain_view(PyObject *driver, PyObject *func, PyObject *args) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     for (Py_ssize_t i = 0; i < n; i++) { /* wrappers are read by value: the Python path */
         PyObject *a = PyTuple_GET_ITEM(args, i);
-        if (Py_TYPE(a) == T_DTRTensor) return Py_NewRef(FALLBACK);
+        if (Py_TYPE(a) == T_DTRTensor) return Py_NewRef(O_FALLBACK);
         if (Py_TYPE(a) == &PyList_Type || Py_TYPE(a) == &PyTuple_Type)
             for (Py_ssize_t j = 0; j < Py_SIZE(a); j++)
-                if (Py_TYPE(PySequence_Fast_GET_ITEM(a, j)) == T_DTRTensor) return Py_NewRef(FALLBACK);
+                if (Py_TYPE(PySequence_Fast_GET_ITEM(a, j)) == T_DTRTensor) return Py_NewRef(O_FALLBACK);
     }
     PyObject *hooks = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1121,15 +1111,8 @@ static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t 
 }
 
 /* The rest of an op, under the runtime's lock: Driver.dispatch after its preamble. */
-static PyObject *route(PyObject *driver, PyObject *rt, PyObject *func, PyObject *args, PyObject *kwargs) {
-    PyObject *facts = PyDict_GetItemWithError(O_FACTS, func);
-    if (facts == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        facts = PyObject_CallOneArg(O_facts_for, func);
-        if (facts == NULL) return NULL;
-    } else {
-        Py_INCREF(facts);
-    }
+static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func, PyObject *args,
+                       PyObject *kwargs) {
     PyObject *result = NULL;
     if (add_attr(driver, A_ops, 1, NULL) < 0) goto done;
     {
@@ -1173,16 +1156,17 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *func, PyObject 
         if (i == -1 && PyErr_Occurred()) goto done;
         PyObject *base = i < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, i) : NULL;
         if (base != NULL && Py_TYPE(base) == T_DTRTensor) {
-            PyObject *c = SLOT(SLOT(base, W_dtr), R_cell);
+            PyObject *ref = SLOT(base, W_dtr); /* unset on a wrapper torch made: the Python path */
+            PyObject *c = ref ? SLOT(ref, R_cell) : NULL;
             PyObject *s = c ? storage_of(c) : NULL;
             if (s != NULL && SLOT(s, S_off[S_runtime]) == rt) {
                 result = kind == O_DETACH ? alias(driver, rt, base) : view_op(driver, rt, facts, func, base, args, i);
-                if (result != FALLBACK) goto done;
+                if (result != O_FALLBACK) goto done;
                 Py_CLEAR(result);
             }
         } else if (base != NULL && no_kwargs) {
             result = plain_view(driver, func, args);
-            if (result != FALLBACK) goto done;
+            if (result != O_FALLBACK) goto done;
             Py_CLEAR(result);
         }
     } else if (SLOT(facts, F_simple) == Py_True && no_kwargs) {
@@ -1201,7 +1185,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *func, PyObject 
             }
         }
         result = simple_op(driver, facts, func, args);
-        if (result != FALLBACK) goto done;
+        if (result != O_FALLBACK) goto done;
         Py_DECREF(result);
         PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
         result = PyObject_VectorcallMethod(A__execute, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -1212,7 +1196,6 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *func, PyObject 
         result = PyObject_VectorcallMethod(A__route, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
 done:
-    Py_DECREF(facts);
     return result;
 }
 
@@ -1222,17 +1205,30 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
         PyErr_SetString(PyExc_TypeError, "dispatch(func, args: tuple, kwargs)");
         return NULL;
     }
+    PyObject *func = argv[0];
+    PyObject *facts = PyDict_GetItemWithError(O_FACTS, func);
+    if (facts == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        facts = PyObject_CallOneArg(O_facts_for, func);
+        if (facts == NULL) return NULL;
+    } else {
+        Py_INCREF(facts);
+    }
     PyObject *rt = PyObject_GetAttr(driver, A_rt);
-    if (rt == NULL) return NULL;
+    if (rt == NULL) {
+        Py_DECREF(facts);
+        return NULL;
+    }
     PyObject *lock = PyObject_GetAttr(rt, A_lock);
     PyObject *held = lock ? call_method0(lock, A_acquire) : NULL;
     if (held == NULL) {
         Py_XDECREF(lock);
         Py_DECREF(rt);
+        Py_DECREF(facts);
         return NULL;
     }
     Py_DECREF(held);
-    PyObject *result = route(driver, rt, argv[0], argv[1], argv[2] == Py_None ? NULL : argv[2]);
+    PyObject *result = route(driver, rt, facts, func, argv[1], argv[2] == Py_None ? NULL : argv[2]);
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     PyObject *released = call_method0(lock, A_release);
@@ -1247,6 +1243,7 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
     }
     Py_DECREF(lock);
     Py_DECREF(rt);
+    Py_DECREF(facts);
     return result;
 }
 
@@ -1274,7 +1271,7 @@ static int offset_of(PyTypeObject *tp, const char *name, Py_ssize_t *off) {
         return -1;
     }
     PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    if (m->type != T_OBJECT_EX && m->type != T_OBJECT) {
+    if (m->type != T_OBJECT_EX) {
         PyErr_Format(PyExc_TypeError, "dtr_ext._hotpath: %s.%s is not an object slot", tp->tp_name, name);
         Py_DECREF(d);
         return -1;
@@ -1331,7 +1328,7 @@ static int same_fields(PyTypeObject *tp, const char **names, int n, Py_ssize_t *
         Py_XSETREF(T_##name, (PyTypeObject *)v_);                                  \
     } while (0)
 
-static PyObject *O_FALLBACK, *O_Facts;
+static PyObject *O_Facts;
 
 static PyObject *bind(PyObject *module, PyObject *config) {
     if (!PyDict_Check(config)) {
@@ -1365,29 +1362,28 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(ADD);
     GET(FALLBACK);
     GET(Facts);
-    FALLBACK = O_FALLBACK;
     PyObject *u = PyDict_GetItemString(config, "untrack_gc");
     if (u == NULL) {
         PyErr_SetString(PyExc_KeyError, "dtr_ext._hotpath.bind: missing untrack_gc");
         return NULL;
     }
     untrack_gc = PyObject_IsTrue(u);
+    if (untrack_gc < 0) return NULL;
     if (!PyType_Check(O_Facts)) {
         PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.bind: Facts must be a type");
         return NULL;
     }
     PyTypeObject *facts = (PyTypeObject *)O_Facts;
     if (offset_of(T_DTRTensor, "_dtr", &W_dtr) < 0 || offset_of(T_Ref, "cell", &R_cell) < 0 ||
-        offset_of(T_Cell, "storage", &C_storage) < 0 || offset_of(T_Cell, "value", &C_value) < 0 ||
-        offset_of(T_Cell, "forward", &C_forward) < 0 || offset_of(T_Cell, "parent", &C_parent) < 0 ||
-        offset_of(T_Cell, "index", &C_index) < 0 || offset_of(facts, "kind", &F_kind) < 0 ||
+        same_fields(T_Cell, C_NAMES, C_N, C_off) < 0 || offset_of(facts, "kind", &F_kind) < 0 ||
         offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
         same_fields(T_Call, K_NAMES, K_N, K_off) < 0)
         return NULL;
-    if (T_Storage->tp_alloc != PyType_GenericAlloc || T_Call->tp_alloc != PyType_GenericAlloc) {
-        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage and Call must be plain classes");
+    if (T_Storage->tp_alloc != PyType_GenericAlloc || T_Call->tp_alloc != PyType_GenericAlloc ||
+        T_Cell->tp_alloc != PyType_GenericAlloc) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage, Cell and Call must be plain classes");
         return NULL;
     }
     bound = 1;
@@ -1406,7 +1402,8 @@ static PyMethodDef methods[] = {
      "native; other ops go to the driver's _route."},
     {"run_simple", (PyCFunction)(void (*)(void))run_simple, METH_FASTCALL,
      "run_simple(driver, facts, func, args): run a simple op as Driver._run does, or return the "
-     "FALLBACK sentinel (nothing changed but resolved wrappers) for the Python path to run it."},
+     "FALLBACK sentinel (nothing changed but resolved wrappers and hooked parameters) for the "
+     "Python path to run it."},
     {"bind", (PyCFunction)bind, METH_O,
      "bind(config): the classes, functions and constants of dtr the native path uses."},
     {NULL, NULL, 0, NULL},
@@ -1429,7 +1426,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(storage_offset); INTERN(stride); INTERN(dtype); INTERN(device); INTERN(_wrapper_died);
     INTERN(_refs);
     INTERN(estimate); INTERN(lock); INTERN(acquire); INTERN(release); INTERN(ops); INTERN(_dead);
-    INTERN(drain); INTERN(node); INTERN(node_from); INTERN(set_backward); INTERN(next_sid);
+    INTERN(node); INTERN(node_from); INTERN(set_backward); INTERN(next_sid);
     INTERN(_summing); INTERN(_sum); INTERN(_execute); INTERN(_route); INTERN(arriving); INTERN(pop);
     INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
