@@ -1,7 +1,23 @@
-import pytest
-import torch
+import os
 
-from dtr.core import DTREq
+# cuBLAS is deterministic only with a fixed workspace; the variable must be set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dtr.core import DTREq  # noqa: E402
+from dtr.testing import zoo  # noqa: E402
+
+# The device the zoo tests run on: ``DTR_TEST_DEVICE=cuda pytest tests/test_zoo.py`` runs them on
+# a GPU (CI has none; the GPU issue's runs set it).
+DEVICE = torch.device(os.environ.get("DTR_TEST_DEVICE", "cpu"))
+
+
+def workload(name: str, size: str = "tiny", **overrides) -> zoo.Workload:
+    """``zoo.build(name, size)`` with its model and batch on the suite's ``DEVICE``."""
+    w = zoo.build(name, size, **overrides)
+    return w if DEVICE.type == "cpu" else zoo.on_device(w, DEVICE)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -10,6 +10,8 @@ import torch
 
 import dtr
 
+from conftest import DEVICE
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -78,7 +80,7 @@ def model_and_batch(request):
     torch.manual_seed(0)
     model, batch = MODELS[name](attn)
     model.train()
-    return model, batch
+    return model.to(DEVICE), {k: v.to(DEVICE) for k, v in batch.items()}
 
 
 def _step(model, batch, budget="eager"):

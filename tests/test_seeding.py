@@ -25,6 +25,8 @@ from dtr.sim import load
 from dtr.testing import zoo
 from dtr.testing.step import fresh_model, run_step, zero_grads
 
+from conftest import workload
+
 
 def test_hints_of_the_papers_toy_plan():
     ops = [("F_ck", 1), ("F_none", 2), ("F_ck", 3), ("F_all", 4), ("B", 4), ("F_all", 3), ("B", 3),
@@ -40,7 +42,7 @@ def test_hints_of_the_papers_toy_plan():
 
 
 def _mlp():
-    w = zoo.build("mlp", "tiny")
+    w = workload("mlp")
     peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     return w, peak
 
@@ -227,7 +229,7 @@ def test_a_new_input_shape_is_profiled_not_given_another_plan():
 
 
 def test_no_plan_fits_the_share_then_plain_dtr_runs_it():
-    w = zoo.build("resnet", "tiny")
+    w = workload("resnet")
     eager = run_step(w, fresh_model(w), "eager")
     peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)
@@ -241,7 +243,7 @@ def test_no_plan_fits_the_share_then_plain_dtr_runs_it():
 
 
 def test_transformer_blocks_as_a_segment_match_eager():
-    w = zoo.build("transformer", "tiny")
+    w = workload("transformer")
     eager = run_step(w, fresh_model(w), "eager")
     peak = run_step(w, fresh_model(w), None, cost="estimate", set_to_none=False).stats.peak_resident_bytes
     model = fresh_model(w)

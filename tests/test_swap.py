@@ -22,6 +22,8 @@ from dtr.sim.trace import Trace
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, fresh_model, run_step
 
+from conftest import workload
+
 FAST = 1e15  # bytes/s: swapping costs next to nothing
 SLOW = 1.0  # bytes/s: swapping costs more than any recomputation
 
@@ -32,7 +34,7 @@ def _peak(w):
 
 @pytest.mark.parametrize("name", zoo.MODELS)
 def test_swapping_gives_eager_gradients(name):
-    w = zoo.build(name, "tiny")
+    w = workload(name)
     eager = run_step(w, fresh_model(w), "eager")
     got = run_step(w, fresh_model(w), int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=FAST)
     assert_same(got, eager)

@@ -7,9 +7,9 @@ import pytest
 
 import dtr
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
-from dtr.testing.zoo import MODELS, build
+from dtr.testing.zoo import MODELS
 
-from conftest import GuardedDTREq, Thrashing
+from conftest import GuardedDTREq, Thrashing, workload
 
 # Fractions tried, below 50%, when searching for the lowest budget that runs.
 LADDER = (0.4, 0.3, 0.2, 0.1)
@@ -17,7 +17,7 @@ LADDER = (0.4, 0.3, 0.2, 0.1)
 
 @pytest.fixture(scope="module", params=MODELS)
 def case(request):
-    w = build(request.param)
+    w = workload(request.param)
     eager = run_step(w, fresh_model(w))
     tracked = run_step(w, fresh_model(w), None)
     return w, eager, tracked.stats

@@ -24,13 +24,15 @@ import dtr
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 
+from conftest import workload
+
 # (model, fraction) pairs that fail today; see the module docstring.
 KNOWN_FAILURES = {("gru", 0.5), ("lstm_packed", 0.5)}
 
 
 @pytest.fixture(scope="module", params=zoo.DYNAMIC)
 def case(request):
-    w = zoo.build(request.param)
+    w = workload(request.param)
     eager = run_step(w, fresh_model(w))
     tracked = run_step(w, fresh_model(w), None)
     return w, eager, tracked.stats
