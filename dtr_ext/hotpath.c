@@ -1289,7 +1289,11 @@ static int same_fields(PyTypeObject *tp, const char **names, int n, Py_ssize_t *
     Py_ssize_t count = 0;
     PyObject *mro = tp->tp_mro;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
-        PyObject *dict = ((PyTypeObject *)PyTuple_GET_ITEM(mro, i))->tp_dict;
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        /* ``__slots__`` exist only on classes defined in Python (heap types); a static builtin
+         * base such as ``object`` has none, and from Python 3.12 its tp_dict is NULL. */
+        if (!PyType_HasFeature(base, Py_TPFLAGS_HEAPTYPE)) continue;
+        PyObject *dict = base->tp_dict;
         PyObject *key, *value;
         Py_ssize_t pos = 0;
         while (PyDict_Next(dict, &pos, &key, &value))
