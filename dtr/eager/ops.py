@@ -139,10 +139,14 @@ _UNSUPPORTED = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::_resiz
 _COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "_dtensor::")
 _C10D_READ_ONLY = {"c10d::send", "c10d::check_for_nan"}
 
-# Outputs that C++ code reads directly, outside dispatch (so they cannot be wrappers), by
-# position in the flattened results. They are small index tensors computed from constants.
+# Outputs that C++ code reads directly, outside dispatch, or keeps beyond the block (so they
+# cannot be wrappers), by position in the flattened results; like constants, they are not
+# charged. ``batch_sizes`` is a small index tensor computed from constants. cuDNN's dropout
+# state (several MiB, made by the first ``nn.LSTM``/``nn.GRU`` with dropout on a device) is
+# cached by ATen for the process and reused by every later RNN call, in blocks and out of them.
 _PLAIN_OUTPUTS = {
     "aten::_pack_padded_sequence": (1,),  # batch_sizes, read by the RNN kernels' C++ code
+    "aten::_cudnn_init_dropout_state": (0,),
 }
 
 # Ops whose output is uninitialized memory. When it has at most one element it is a
@@ -276,7 +280,8 @@ def _compute(func) -> OpFacts:
                 f"dtr: {f.name} returns views of several arguments or mixes views with new "
                 "tensors; please report this op"
             )
-    f.sized = f.kind is Kind.COMPUTE and name.startswith("aten::") and any(k == FRESH for k, _, _ in f.returns)
+    f.sized = f.kind is Kind.COMPUTE and name.startswith("aten::") and any(
+        k == FRESH for i, (k, _, _) in enumerate(f.returns) if i not in f.plain_outputs)
     if f.kind is Kind.VIEW:
         f.one_view = f.returns == ((VIEW, False, (f.view_of, None)),) and not any(
             _holds_tensors(a.type) for i, a in enumerate(schema.arguments) if i != f.view_of
