@@ -62,13 +62,52 @@ def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
     flops_per_s, bytes_per_s, launch = _ROOFLINE.get(device, _ROOFLINE["cuda"])
     if facts_for(func).kind in _METADATA_ONLY:
         return launch
-    moved = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)
-    seconds = moved / bytes_per_s
     formula = _FLOPS.get(func.overloadpacket)
-    if formula is not None:
-        out = outs[0] if len(outs) == 1 else tuple(outs)
-        try:
-            seconds = max(seconds, formula(*args, **kwargs, out_val=out) / flops_per_s)
-        except Exception:  # a formula that does not accept this overload's arguments
-            pass
-    return seconds + launch
+    if formula is None:
+        return (_nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)) / bytes_per_s + launch
+    key = (func, device, _signature(args), _signature(kwargs.values()), tuple(kwargs), _signature(outs))
+    seconds = _ESTIMATES.get(key)
+    if seconds is None:
+        seconds = _ESTIMATES[key] = _with_flops(formula, args, kwargs, outs, flops_per_s, bytes_per_s) + launch
+        if len(_ESTIMATES) > _MAX_ESTIMATES:  # dynamic shapes (trees, variable lengths) keep coming
+            _ESTIMATES.clear()
+    return seconds
+
+
+# Note [Cached estimates]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# torch's FLOP formulas are Python over the arguments' shapes and cost 15-40 us a call (a
+# matmul, a convolution), more than the rest of the engine's work on the op; on CUDA every op
+# is estimated, so they are cached by what they read: the op, and each argument's shape and
+# dtype (tensors) or value (anything else). Ops without a formula cost their bytes, which is
+# cheaper to compute than a key.
+_ESTIMATES: dict = {}
+_MAX_ESTIMATES = 1 << 16
+
+
+def _signature(values) -> tuple:
+    """A hashable key of ``values`` for the estimate: tensors by shape and dtype."""
+    key = []
+    for v in values:
+        t = type(v)
+        if t in _HASHABLE:
+            key.append(v)
+        elif isinstance(v, torch.Tensor):
+            key.append((v.shape, v.dtype))
+        elif t is list or t is tuple:
+            key.append(_signature(v))
+        else:
+            key.append(repr(v))
+    return tuple(key)
+
+
+_HASHABLE = {type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
+
+
+def _with_flops(formula, args, kwargs, outs, flops_per_s: float, bytes_per_s: float) -> float:
+    seconds = (_nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)) / bytes_per_s
+    out = outs[0] if len(outs) == 1 else tuple(outs)
+    try:
+        return max(seconds, formula(*args, **kwargs, out_val=out) / flops_per_s)
+    except Exception:  # a formula that does not accept this overload's arguments
+        return seconds
