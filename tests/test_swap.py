@@ -20,7 +20,7 @@ from dtr.sim import load
 from dtr.sim.simulator import _DATA, SimExecutor, _Wrapper
 from dtr.sim.trace import Trace
 from dtr.testing import zoo
-from dtr.testing.step import assert_same, fresh_model, run_step
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 
 from conftest import workload
 
@@ -36,7 +36,8 @@ def _peak(w):
 def test_swapping_gives_eager_gradients(name):
     w = workload(name)
     eager = run_step(w, fresh_model(w), "eager")
-    got = run_step(w, fresh_model(w), int(_peak(w) * 0.4), cost="estimate", swap=True, bandwidth=FAST)
+    tracked = run_step(w, fresh_model(w), None, cost="estimate").stats
+    got = run_step(w, fresh_model(w), budget_at(tracked, 0.4), cost="estimate", swap=True, bandwidth=FAST)
     assert_same(got, eager)
     s = got.stats
     assert s.swaps_out > 0 and s.swaps_in + s.prefetches > 0
@@ -290,14 +291,18 @@ def test_simulated_swapping_repeats_the_real_run(tmp_path):
     assert no_swap.swaps_out == 0
 
 
-def _cuda_chain(layers: int, size: int):
-    """A chain of tanh(y @ w) on CUDA, and a step that returns its weights' gradients."""
-    x = torch.randn(size, size, device="cuda")
-    ws = [torch.randn(size, size, device="cuda", requires_grad=True) for _ in range(layers)]
+def _chain(layers: int, size: int, device: str):
+    """A chain of tanh(y @ w), and a step that returns its weights' gradients. The gradients
+    exist before the block and are zeroed in place (``zero_grad(set_to_none=False)``): the
+    budgets below hold activations only."""
+    x = torch.randn(size, size, device=device)
+    ws = [torch.randn(size, size, device=device, requires_grad=True) for _ in range(layers)]
+    for w in ws:
+        w.grad = torch.zeros_like(w)
 
     def step():
         for w in ws:
-            w.grad = None
+            w.grad.zero_()
         y = x
         for w in ws:
             y = torch.tanh(y @ w)
@@ -307,10 +312,13 @@ def _cuda_chain(layers: int, size: int):
     return step
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_swaps_are_ordered_by_events():
-    """Copies run on a side stream; compute after a swap-in must see the copied data."""
-    step = _cuda_chain(6, 256)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swaps_are_ordered_by_events(device):
+    """On CUDA copies run on a side stream; compute after a swap-in must see the copied data."""
+    step = _chain(6, 256, device)
     eager = step()
     with dtr.budget(3 * 256 * 256 * 4, swap=True, bandwidth=FAST) as engine:
         got = step()
@@ -319,11 +327,11 @@ def test_cuda_swaps_are_ordered_by_events():
         assert torch.equal(g, e)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_prefetches_land_before_their_reads():
-    """Steps after the first prefetch on the side stream; compute waits for each copy at the
-    tensor's first read (Note [Arrival]): gradients stay eager's in every step."""
-    step = _cuda_chain(8, 512)
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetches_land_before_their_reads(device):
+    """Steps after the first prefetch (on CUDA on the side stream); compute waits for each copy
+    at the tensor's first read (Note [Arrival]): gradients stay eager's in every step."""
+    step = _chain(8, 512, device)
     eager = step()
     engine = dtr.budget(6 * 512 * 512 * 4, swap=True, bandwidth=FAST)
     for _ in range(3):

@@ -9,7 +9,9 @@ run and turn into failures to look at once the engine handles them:
 
 - at 50%, the tiny ``gru`` and ``lstm_packed`` steps raise ``OutOfBudgetError`` (a replay
   whose locked inputs and outputs do not fit: a whole sequence's input projection, read in
-  slices, must be resident to recompute any step).
+  slices, must be resident to recompute any step). On CUDA they do at 70% too: the fused
+  cuDNN RNN's backward needs its reserve space, the sequence's outputs and their gradients at
+  once, more than 70% of the tiny presets' evictable room.
 - ``pad_packed_sequence`` fails under any ``dtr.budget``, ``None`` included: its C++ kernel
   allocates its ``lengths`` output with ``at::empty`` (which the mode turns into a wrapper with
   no data) and writes it through a raw pointer. ``build("lstm_packed", pool=True)`` is the zoo
@@ -24,10 +26,12 @@ import dtr
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 
-from conftest import workload
+from conftest import DEVICE, workload
 
 # (model, fraction) pairs that fail today; see the module docstring.
 KNOWN_FAILURES = {("gru", 0.5), ("lstm_packed", 0.5)}
+if DEVICE.type == "cuda":
+    KNOWN_FAILURES |= {("gru", 0.7), ("lstm_packed", 0.7)}
 
 
 @pytest.fixture(scope="module", params=zoo.DYNAMIC)
