@@ -176,15 +176,17 @@ def timed(case, device, engine=None, checkpoint=False):
     return time.perf_counter() - t0, cpu
 
 
-def peak_of(fn, device):
-    """(true peak, reserved peak) of ``fn()`` in bytes above what was allocated before it."""
+def peak_of(case, device, engine=None, checkpoint=False):
+    """(true peak, reserved peak) of a step in bytes above what was allocated before it, the
+    previous step's gradients already dropped (the step makes its own)."""
     if device.type != "cuda":
-        fn()
+        case.step(engine, checkpoint)
         return None, None
+    case.model.zero_grad()
     sync(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    fn()
+    case.step(engine, checkpoint)
     sync(device)
     return torch.cuda.max_memory_allocated(device) - base, torch.cuda.max_memory_reserved(device)
 
@@ -201,7 +203,7 @@ def section_overhead(case, device, args):
     repeat(case, device, 1, engine)
     t, cpu = repeat(case, device, args.repeats, engine)
     ops = engine.stats().ops // (1 + args.repeats)  # the engine sums its blocks
-    eager_peak, eager_reserved = peak_of(lambda: case.step(), device)
+    eager_peak, eager_reserved = peak_of(case, device)
     yield dict(section="overhead", eager_s=eager, eager_cpu_s=eager_cpu, dtr_s=t, dtr_cpu_s=cpu, ratio=t / eager,
                ops=ops, cpu_us_per_op=(cpu - eager_cpu) / ops * 1e6, eager_true_peak=eager_peak,
                eager_reserved_peak=eager_reserved)
@@ -217,7 +219,7 @@ def section_budgets(case, device, args):
     stats = unlimited_stats(case, device)
     repeat(case, device, 1)
     eager, _ = repeat(case, device, args.repeats)
-    eager_peak, _ = peak_of(lambda: case.step(), device)
+    eager_peak, _ = peak_of(case, device)
     for fraction in args.fractions:
         budget = budget_at(stats, fraction)
         row = dict(section="budgets", fraction=fraction, budget=budget, unlimited_peak=stats.peak_resident_bytes,
@@ -227,7 +229,7 @@ def section_budgets(case, device, args):
         try:
             case.step(engine)  # the engine learns its ops' output sizes (Note [Room before an op])
             before = engine.stats()
-            row["true_peak"], row["reserved_peak"] = peak_of(lambda: case.step(engine), device)
+            row["true_peak"], row["reserved_peak"] = peak_of(case, device, engine)
             t, _ = repeat(case, device, args.repeats, engine)
             after = engine.stats()
             steps = args.repeats + 1  # the measured step and the timed ones
@@ -248,15 +250,15 @@ def section_checkpoint(case, device, args):
     eager, _ = repeat(case, device, args.repeats)
     repeat(case, device, 1, checkpoint=True)
     ckpt, _ = repeat(case, device, args.repeats, checkpoint=True)
-    ckpt_peak, ckpt_reserved = peak_of(lambda: case.step(checkpoint=True), device)
-    eager_peak, _ = peak_of(lambda: case.step(), device)
+    ckpt_peak, ckpt_reserved = peak_of(case, device, checkpoint=True)
+    eager_peak, _ = peak_of(case, device)
     row = dict(section="checkpoint", eager_s=eager, checkpoint_s=ckpt, checkpoint_ratio=ckpt / eager,
                checkpoint_true_peak=ckpt_peak, checkpoint_reserved_peak=ckpt_reserved, eager_true_peak=eager_peak)
     if ckpt_peak:
         engine = dtr.budget(ckpt_peak)
         try:
             case.step(engine)
-            row["dtr_true_peak"], _ = peak_of(lambda: case.step(engine), device)
+            row["dtr_true_peak"], _ = peak_of(case, device, engine)
             t, _ = repeat(case, device, args.repeats, engine)
             row.update(status="ok", dtr_s=t, dtr_ratio=t / eager)
         except dtr.OutOfBudgetError as e:
@@ -285,7 +287,7 @@ def section_batch(name, device, args):
         return
     cap = int(args.cap_gib * 2**30)
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         for method in ("eager", "checkpoint", "dtr"):
             if method == "checkpoint" and name == "treelstm":  # no sequential structure to checkpoint
@@ -307,7 +309,7 @@ def section_batch(name, device, args):
             yield dict(section="batch", method=method, cap=cap, largest_batch=best, searched_up_to=hi,
                        samples_per_s=best / best_t if best_t else None, dtr_margin=args.dtr_margin)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 class _OpTimer(TorchDispatchMode):
