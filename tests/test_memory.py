@@ -243,13 +243,17 @@ def test_total_limit_on_cuda_counts_memory_allocated():
     F = torch.nn.functional
     F.cross_entropy(model(x), y).backward()
     opt.step()  # optimizer state exists
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    limit = base + 256 * 1024
-    torch.cuda.reset_peak_memory_stats()
-    with dtr.budget(limit, cost="estimate", total=True) as engine:
-        F.cross_entropy(model(x), y).backward()
+    # The measured step is the second: in the first, the kernel of a forward op replayed
+    # during backward (on autograd's device thread) allocated 1 MiB, as a library's workspace
+    # made on first use there would (an H200, torch 2.11); what persists counts in the second's
+    # starting point.
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        limit = torch.cuda.memory_allocated() + 256 * 1024
+        torch.cuda.reset_peak_memory_stats()
+        with dtr.budget(limit, cost="estimate", total=True) as engine:
+            F.cross_entropy(model(x), y).backward()
     torch.cuda.synchronize()
     largest = 4 * x.numel() * x.element_size()
     assert engine.stats().evictions > 0

@@ -22,7 +22,7 @@ from dtr.sim.trace import Trace
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 
-from conftest import workload
+from conftest import DEVICE, workload
 
 FAST = 1e15  # bytes/s: swapping costs next to nothing
 SLOW = 1.0  # bytes/s: swapping costs more than any recomputation
@@ -33,7 +33,9 @@ def _peak(w):
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
-def test_swapping_gives_eager_gradients(name):
+def test_swapping_gives_eager_gradients(name, request):
+    if name == "lstm" and DEVICE.type == "cuda":  # test_zoo.py's docstring: one op needs more
+        request.applymarker(pytest.mark.xfail(raises=dtr.OutOfBudgetError, strict=True))
     w = workload(name)
     eager = run_step(w, fresh_model(w), "eager")
     tracked = run_step(w, fresh_model(w), None, cost="estimate").stats

@@ -1,7 +1,13 @@
 """Every zoo model gives eager's loss, gradients and running statistics bit for bit under
 dtr, with 100%, 70% and 50% of its unconstrained peak's evictable room (``budget_at``: the
 gradients a step makes are charged and never evicted) and at the lowest budget that runs, and
-at low budgets it really evicts and recomputes."""
+at low budgets it really evicts and recomputes.
+
+On CUDA (``DTR_TEST_DEVICE=cuda``) the tiny ``nn.LSTM`` runs out of budget at 70% and below: the
+fused cuDNN RNN's backward needs its reserve space, the sequence's outputs and their gradients
+at once, more than 70% of the tiny preset's evictable room (``OutOfBudgetError`` says so; a
+strict xfail, so that it shows).
+"""
 
 import pytest
 
@@ -9,10 +15,18 @@ import dtr
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 from dtr.testing.zoo import MODELS
 
-from conftest import GuardedDTREq, Thrashing, workload
+from conftest import DEVICE, GuardedDTREq, Thrashing, workload
 
 # Fractions tried, below 50%, when searching for the lowest budget that runs.
 LADDER = (0.4, 0.3, 0.2, 0.1)
+# Models whose budgets of 70% and below cannot run here (module docstring).
+ONE_OP_ABOVE_70 = {"lstm"} if DEVICE.type == "cuda" else set()
+
+
+def _expect_one_op_too_large(w, request):
+    if w.name in ONE_OP_ABOVE_70:
+        request.applymarker(pytest.mark.xfail(raises=dtr.OutOfBudgetError, strict=True,
+                                              reason="cuDNN RNN backward needs more than 70% (module docstring)"))
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -33,8 +47,10 @@ def test_unlimited_budget_tracks_without_evicting(case):
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.5])
-def test_budget_fraction(case, fraction):
+def test_budget_fraction(case, fraction, request):
     w, eager, tracked = case
+    if fraction < 1:
+        _expect_one_op_too_large(w, request)
     budget = budget_at(tracked, fraction)
     r = run_step(w, fresh_model(w), budget, cost="estimate")
     assert_same(r, eager)
@@ -45,8 +61,9 @@ def test_budget_fraction(case, fraction):
     assert r.stats.peak_resident_bytes <= tracked.peak_resident_bytes
 
 
-def test_lowest_budget_that_runs(case):
+def test_lowest_budget_that_runs(case, request):
     w, eager, tracked = case
+    _expect_one_op_too_large(w, request)
     lowest = None
     for fraction in LADDER:
         budget = budget_at(tracked, fraction)
