@@ -433,8 +433,11 @@ def plot(rows, path):
     models = list(dict.fromkeys(r["model"] for r in rows if r["section"] == "budgets"))
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.4 * max(1, len(models)), 3.6), squeeze=False)
     for ax, name in zip(axes.flat, models):
-        pts = sorted((r["of_eager_peak"] or r["fraction"], r["ratio"]) for r in rows
-                     if r["section"] == "budgets" and r["model"] == name and r.get("status") == "ok")
+        ok = [r for r in rows if r["section"] == "budgets" and r["model"] == name and r.get("status") == "ok"]
+        # Budgets as a share of eager's true peak where it was measured (CUDA), else of dtr's
+        # evictable room (``budget_at``'s fraction).
+        measured = all(r.get("of_eager_peak") for r in ok)
+        pts = sorted((r["of_eager_peak"] if measured else r["fraction"], r["ratio"]) for r in ok)
         if pts:
             ax.plot(*zip(*pts), "o-", label="dtr_eq (wall, this GPU)")
         if name in PAPER:
@@ -443,8 +446,11 @@ def plot(rows, path):
             if r["section"] == "checkpoint" and r["model"] == name and r.get("eager_true_peak"):
                 ax.plot(r["checkpoint_true_peak"] / r["eager_true_peak"], r["checkpoint_ratio"], "r*", markersize=12,
                         label="static checkpointing")
+                if r.get("dtr_true_peak"):
+                    ax.plot(r["dtr_true_peak"] / r["eager_true_peak"], r["dtr_ratio"], "bX", markersize=9,
+                            label="dtr_eq, budget at checkpointing's peak")
         ax.set_title(name)
-        ax.set_xlabel("budget / eager's true peak")
+        ax.set_xlabel("budget / eager's true peak" if measured else "fraction of the evictable room")
         ax.set_ylabel("slowdown vs eager")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
