@@ -436,8 +436,9 @@ def plot(rows, path):
         ok = [r for r in rows if r["section"] == "budgets" and r["model"] == name and r.get("status") == "ok"]
         # Budgets as a share of eager's true peak where it was measured (CUDA), else of dtr's
         # evictable room (``budget_at``'s fraction).
-        measured = all(r.get("of_eager_peak") for r in ok)
-        pts = sorted((r["of_eager_peak"] if measured else r["fraction"], r["ratio"]) for r in ok)
+        measured = any(r.get("of_eager_peak") for r in ok)
+        pts = sorted((r["of_eager_peak"], r["ratio"]) if measured else (r["fraction"], r["ratio"])
+                     for r in ok if r.get("of_eager_peak") or not measured)
         if pts:
             ax.plot(*zip(*pts), "o-", label="dtr_eq (wall, this GPU)")
         if name in PAPER:
