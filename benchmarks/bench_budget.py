@@ -29,7 +29,7 @@ import torch
 
 import dtr
 from dtr.testing.memory import measured_peak
-from dtr.testing.step import budget_at, fresh_model
+from dtr.testing.step import budget_at, fresh_model, training_step
 from dtr.testing.zoo import build, on_device
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,14 +40,11 @@ RESULTS = Path(__file__).parent / "results" / "budget.jsonl"
 MiB = 2**20
 
 
-def step(w, model, engine=None) -> None:
-    model.zero_grad()  # PyTorch's default: set_to_none=True, the step makes the gradients
-    torch.manual_seed(1)
-    if engine is None:
-        w.loss_fn(model, w.batch).backward()
-    else:
-        with engine:
-            w.loss_fn(model, w.batch).backward()
+def true_peak(w, model, device, engine=None) -> int:
+    """The true peak of one step (``training_step``), the previous step's gradients dropped
+    before the measurement starts (``training_step``'s docstring)."""
+    model.zero_grad()
+    return measured_peak(lambda: training_step(w, model, engine), device)
 
 
 def rows_for(name: str, fractions, device: str):
@@ -55,9 +52,9 @@ def rows_for(name: str, fractions, device: str):
     if device != "cpu":
         w = on_device(w, device)
     model = fresh_model(w).to(device)
-    eager = measured_peak(lambda: step(w, model), device)
+    eager = true_peak(w, model, device)
     probe = dtr.budget(None, cost="estimate")
-    unlimited = measured_peak(lambda: step(w, model, probe), device)
+    unlimited = true_peak(w, model, device, probe)
     stats = probe.stats()
     base = dict(model=name, preset="bench", eager_true_peak=eager, unlimited_true_peak=unlimited,
                 dtr_unlimited_peak=stats.peak_resident_bytes, gradient_bytes=stats.gradient_bytes)
@@ -66,9 +63,9 @@ def rows_for(name: str, fractions, device: str):
         engine = dtr.budget(budget, cost="estimate")
         row = dict(base, fraction=fraction, budget=budget)
         try:
-            step(w, model, engine)
+            training_step(w, model, engine)
             t0 = time.perf_counter()
-            row["true_peak"] = measured_peak(lambda: step(w, model, engine), device)
+            row["true_peak"] = true_peak(w, model, device, engine)
             row["seconds"] = time.perf_counter() - t0
             s = engine.stats()
             row.update(engine_peak=s.peak_resident_bytes, evictions=s.evictions,

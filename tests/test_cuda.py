@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
-from dtr.testing.step import budget_at, fresh_model, run_step
+from dtr.testing.step import budget_at, fresh_model, run_step, training_step
 
 from conftest import DEVICE, workload
 
@@ -45,16 +45,6 @@ class _WorkingSets(TorchDispatchMode):
         return out
 
 
-def _step(w, model, engine=None):
-    model.zero_grad()  # PyTorch's default: the step makes the gradients
-    torch.manual_seed(1)
-    if engine is None:
-        w.loss_fn(model, w.batch).backward()
-    else:
-        with engine:
-            w.loss_fn(model, w.batch).backward()
-
-
 def _true_peak(model, fn):
     """Bytes ``fn()`` allocates at most above what is allocated before it, the gradients of
     ``model``'s previous step already dropped."""
@@ -80,16 +70,16 @@ def test_true_peak_on_cuda_within_budget_plus_one_op(name):
     torch.manual_seed(1)
     with sets:
         w.loss_fn(model, w.batch).backward()
-    eager_peak = _true_peak(model, lambda: _step(w, model))
+    eager_peak = _true_peak(model, lambda: training_step(w, model))
     probe = dtr.budget(None)
-    unlimited = _true_peak(model, lambda: _step(w, model, probe))
+    unlimited = _true_peak(model, lambda: training_step(w, model, probe))
     slack = sets.largest + ROUNDING * sets.ops
     assert unlimited <= eager_peak + slack
     for fraction in (0.7, 0.5):
         budget = budget_at(probe.stats(), fraction)
         engine = dtr.budget(budget)
-        _step(w, model, engine)  # the engine learns its ops' output sizes (Note [Room before an op])
-        peak = _true_peak(model, lambda: _step(w, model, engine))
+        training_step(w, model, engine)  # the engine learns its ops' output sizes (Note [Room before an op])
+        peak = _true_peak(model, lambda: training_step(w, model, engine))
         assert engine.stats().evictions > 0
         assert peak <= budget + slack, (
             f"{name} at {fraction}: true peak {peak} > budget {budget} + largest op {sets.largest} + rounding"
@@ -105,13 +95,13 @@ def test_the_cuda_cost_mode_does_not_synchronize(name):
     model = fresh_model(w)
     stats = run_step(w, model, None).stats
     engine = dtr.budget(budget_at(stats, 0.5))
-    _step(w, model, engine)
+    training_step(w, model, engine)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _step(w, model)
+        training_step(w, model)
         before = engine.stats().rematerializations
-        _step(w, model, engine)
+        training_step(w, model, engine)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats().rematerializations > before

@@ -20,7 +20,7 @@ import dtr
 from dtr.core import Stats
 from dtr.testing.zoo import Workload
 
-__all__ = ["StepResult", "run_step", "timed_step", "fresh_model", "assert_same", "budget_at", "zero_grads"]
+__all__ = ["StepResult", "run_step", "training_step", "timed_step", "fresh_model", "assert_same", "budget_at", "zero_grads"]
 
 
 @dataclass
@@ -93,6 +93,21 @@ def budget_at(stats: Stats, fraction: float) -> int:
     most of the peak, a plain fraction of the peak would leave nothing to evict."""
     grads = stats.gradient_bytes
     return grads + int((stats.peak_resident_bytes - grads) * fraction)
+
+
+def training_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine"] = None) -> None:
+    """One forward + backward step of ``w`` as a training loop runs it: ``model.zero_grad()``
+    (PyTorch's default, ``set_to_none=True``: the step makes its gradients), the RNG seeded as
+    in ``run_step``, inside ``engine``'s block when given. To measure a step's memory, drop the
+    previous step's gradients before the measurement starts: freed inside it, they would lower
+    the level the step's allocations are counted from."""
+    model.zero_grad()
+    torch.manual_seed(1)
+    if engine is None:
+        w.loss_fn(model, w.batch).backward()
+    else:
+        with engine:
+            w.loss_fn(model, w.batch).backward()
 
 
 def timed_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine"] = None) -> float:
