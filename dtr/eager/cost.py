@@ -65,6 +65,8 @@ def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
     formula = _FLOPS.get(func.overloadpacket)
     if formula is None:
         return (_nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)) / bytes_per_s + launch
+    if not hasattr(formula, "__wrapped__"):  # a raw formula: it may read values (Note [Cached estimates])
+        return _with_flops(formula, args, kwargs, outs, flops_per_s, bytes_per_s) + launch
     key = (func, device, _signature(args), _signature(kwargs.values()), tuple(kwargs), _signature(outs))
     seconds = _ESTIMATES.get(key)
     if seconds is None:
@@ -79,8 +81,11 @@ def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
 # torch's FLOP formulas are Python over the arguments' shapes and cost 15-40 us a call (a
 # matmul, a convolution), more than the rest of the engine's work on the op; on CUDA every op
 # is estimated, so they are cached by what they read: the op, and each argument's shape and
-# dtype (tensors) or value (anything else). Ops without a formula cost their bytes, which is
-# cheaper to compute than a key.
+# dtype (tensors) or value (anything else). That holds for the formulas torch registers on
+# shapes (wrapped, so with ``__wrapped__``); the few it registers raw (variable-length flash and
+# memory-efficient attention, flex attention) read tensors' values, such as sequence offsets,
+# and are not cached. Ops without a formula cost their bytes, which is cheaper to compute than
+# a key.
 _ESTIMATES: dict = {}
 _MAX_ESTIMATES = 1 << 16
 
