@@ -10,7 +10,7 @@ from dtr.core import DTREq  # noqa: E402
 from dtr.testing import zoo  # noqa: E402
 
 # The device the zoo tests run on: ``DTR_TEST_DEVICE=cuda pytest tests/test_zoo.py`` runs them on
-# a GPU (CI has none; the GPU issue's runs set it).
+# a GPU; unset, on CPU.
 DEVICE = torch.device(os.environ.get("DTR_TEST_DEVICE", "cpu"))
 
 

@@ -79,8 +79,9 @@ def test_true_peak_on_cuda_within_budget_plus_one_op(name):
         budget = budget_at(probe.stats(), fraction)
         engine = dtr.budget(budget)
         training_step(w, model, engine)  # the engine learns its ops' output sizes (Note [Room before an op])
+        before = engine.stats().evictions
         peak = _true_peak(model, lambda: training_step(w, model, engine))
-        assert engine.stats().evictions > 0
+        assert engine.stats().evictions > before
         assert peak <= budget + slack, (
             f"{name} at {fraction}: true peak {peak} > budget {budget} + largest op {sets.largest} + rounding"
         )

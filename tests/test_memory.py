@@ -243,10 +243,9 @@ def test_total_limit_on_cuda_counts_memory_allocated():
     F = torch.nn.functional
     F.cross_entropy(model(x), y).backward()
     opt.step()  # optimizer state exists
-    # The measured step is the second: in the first, the kernel of a forward op replayed
-    # during backward (on autograd's device thread) allocated 1 MiB, as a library's workspace
-    # made on first use there would (an H200, torch 2.11); what persists counts in the second's
-    # starting point.
+    # The measured step is the second: the first may make what libraries keep once made (a
+    # kernel replayed on autograd's device thread allocated 1 MiB there on first use), and what
+    # persists counts in the second's starting point.
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

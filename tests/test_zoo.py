@@ -56,8 +56,11 @@ def test_budget_fraction(case, fraction, request):
     assert_same(r, eager)
     if fraction == 1.0:
         assert r.stats.evictions == 0
-    else:  # at 70% what is evicted may never be needed again (the LSTMCell loop on CUDA)
-        assert r.stats.evictions > 0 and (fraction > 0.5 or r.stats.rematerializations > 0)
+    else:
+        assert r.stats.evictions > 0
+        # On CUDA's estimates what the LSTMCell loop evicts at 70% is never needed again.
+        if not (w.name == "lstmcell" and DEVICE.type == "cuda" and fraction > 0.5):
+            assert r.stats.rematerializations > 0
     assert r.stats.peak_resident_bytes <= tracked.peak_resident_bytes
 
 
