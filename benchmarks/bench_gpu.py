@@ -167,7 +167,9 @@ def sync(device):
 
 
 def timed(case, device, engine=None, checkpoint=False):
-    """(wall seconds with a synchronization at the end, CPU seconds until backward returned)."""
+    """(wall seconds with a synchronization at the end, host seconds until backward returned:
+    the time the host spent issuing the step, which a step waiting on a full launch queue
+    lengthens for eager and dtr alike)."""
     sync(device)
     t0 = time.perf_counter()
     case.step(engine, checkpoint)
@@ -177,8 +179,10 @@ def timed(case, device, engine=None, checkpoint=False):
 
 
 def peak_of(case, device, engine=None, checkpoint=False):
-    """(true peak, reserved peak) of a step in bytes above what was allocated before it, the
-    previous step's gradients already dropped (the step makes its own)."""
+    """(true peak, reserved peak) of a step: the most bytes allocated above what was allocated
+    before it, the previous step's gradients already dropped (the step makes its own), and the
+    caching allocator's highest reservation during it (absolute: blocks cached by earlier steps
+    count). Off CUDA the step runs (callers count it) and both are None."""
     if device.type != "cuda":
         case.step(engine, checkpoint)
         return None, None
@@ -204,19 +208,19 @@ def section_overhead(case, device, args):
     t, cpu = repeat(case, device, args.repeats, engine)
     ops = engine.stats().ops // (1 + args.repeats)  # the engine sums its blocks
     eager_peak, eager_reserved = peak_of(case, device)
-    yield dict(section="overhead", eager_s=eager, eager_cpu_s=eager_cpu, dtr_s=t, dtr_cpu_s=cpu, ratio=t / eager,
-               ops=ops, cpu_us_per_op=(cpu - eager_cpu) / ops * 1e6, eager_true_peak=eager_peak,
+    yield dict(section="overhead", eager_s=eager, eager_host_s=eager_cpu, dtr_s=t, dtr_host_s=cpu, ratio=t / eager,
+               ops=ops, host_us_per_op=(cpu - eager_cpu) / ops * 1e6, eager_true_peak=eager_peak,
                eager_reserved_peak=eager_reserved)
 
 
-def unlimited_stats(case, device):
+def unlimited_stats(case):
     probe = dtr.budget(None)
     case.step(probe)
     return probe.stats()
 
 
 def section_budgets(case, device, args):
-    stats = unlimited_stats(case, device)
+    stats = unlimited_stats(case)
     repeat(case, device, 1)
     eager, _ = repeat(case, device, args.repeats)
     eager_peak, _ = peak_of(case, device)
@@ -306,8 +310,10 @@ def section_batch(name, device, args):
                     break
                 else:
                     b = (lo + hi) // 2
+            converged = hi is not None and hi - lo <= max(1, lo // 16)
             yield dict(section="batch", method=method, cap=cap, largest_batch=best, searched_up_to=hi,
-                       samples_per_s=best / best_t if best_t else None, dtr_margin=args.dtr_margin)
+                       converged=converged, samples_per_s=best / best_t if best_t else None,
+                       dtr_margin=args.dtr_margin)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
 
@@ -346,10 +352,12 @@ def section_cost(case, device, args):
     if device.type != "cuda":
         return
     case.step()
-    stats = unlimited_stats(case, device)
+    stats = unlimited_stats(case)
     evicting = dtr.budget(budget_at(stats, 0.5))
     case.step(evicting)
-    counts = dict(eager=_syncs(lambda: case.step()), dtr_unlimited=_syncs(lambda: case.step(dtr.budget(None))),
+    unlimited = dtr.budget(None)
+    case.step(unlimited)  # both engines counted in their second block, as a loop runs them
+    counts = dict(eager=_syncs(lambda: case.step()), dtr_unlimited=_syncs(lambda: case.step(unlimited)),
                   dtr_half=_syncs(lambda: case.step(evicting)))
     timer = _OpTimer()
     torch.manual_seed(1)
@@ -374,11 +382,17 @@ def section_cost(case, device, args):
 
 
 def _spearman(a, b):
-    def ranks(x):
+    def ranks(x):  # ties share their average rank
         order = sorted(range(len(x)), key=x.__getitem__)
         r = [0.0] * len(x)
-        for i, j in enumerate(order):
-            r[j] = float(i)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
         return r
 
     ra, rb = ranks(a), ranks(b)
@@ -399,7 +413,7 @@ def describe(row):
     s = row["section"]
     if s == "overhead":
         return (f"eager {row['eager_s'] * 1e3:8.1f} ms  dtr {row['dtr_s'] * 1e3:8.1f} ms  {row['ratio']:.3f}x  "
-                f"{row['ops']} ops, +{row['cpu_us_per_op']:.1f} us CPU/op")
+                f"{row['ops']} ops, +{row['host_us_per_op']:.1f} us host time/op")
     if s == "budgets":
         if row["status"] != "ok":
             return f"fraction {row['fraction']:.2f}: {row['status']}: {row['error'][:120]}"
@@ -418,7 +432,8 @@ def describe(row):
         return out
     if s == "batch":
         sps = f"{row['samples_per_s']:.1f} samples/s" if row["samples_per_s"] else "-"
-        return f"{row['method']:10} largest batch {row['largest_batch']} under {row['cap'] / 2**30:.1f} GiB, {sps}"
+        cut = "" if row.get("converged", True) else " (at least: the search hit --batch-seconds)"
+        return f"{row['method']:10} largest batch {row['largest_batch']}{cut} under {row['cap'] / 2**30:.1f} GiB, {sps}"
     if s == "cost":
         return (f"syncs {row['syncs']}; estimate/measured median {row['median_ratio']:.2f} "
                 f"(p10 {row['p10_ratio']:.2f}, p90 {row['p90_ratio']:.2f}), rank correlation {row['spearman']:.2f}, "
@@ -490,22 +505,29 @@ def main() -> None:
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as out:
+
+        def report(name, section, arch, produced):
+            t0 = time.perf_counter()
+            for row in produced:
+                row = dict(row, model=name, arch=arch, **stamp)
+                rows.append(row)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(f"{name:9} {section:10} {describe(row)}", flush=True)
+            print(f"{name:9} {section:10} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
         for name in args.models:
             case = BUILDERS[name](args.size, device)
-            print(f"## {name}: {case.arch}", flush=True)
+            arch = case.arch
+            print(f"## {name}: {arch}", flush=True)
             for section in args.sections:
-                produced = section_batch(name, device, args) if section == "batch" else SECTIONS[section](case, device, args)
-                t0 = time.perf_counter()
-                for row in produced:
-                    row = dict(row, model=name, arch=case.arch, **stamp)
-                    rows.append(row)
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    print(f"{name:9} {section:10} {describe(row)}", flush=True)
-                print(f"{name:9} {section:10} ({time.perf_counter() - t0:.0f} s)", flush=True)
-            del case
+                if section != "batch":
+                    report(name, section, arch, SECTIONS[section](case, device, args))
+            del case  # the batch search builds its own models, under the cap
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if "batch" in args.sections:
+                report(name, "batch", arch, section_batch(name, device, args))
     if plot(rows, plot_path):
         print("wrote", plot_path)
 
