@@ -5,6 +5,7 @@ import torch
 
 import dtr
 from dtr.eager.ops import facts_for
+from dtr.eager.recording import sort_outputs
 
 aten = torch.ops.aten
 
@@ -58,3 +59,14 @@ def test_a_view_is_recomputed_after_its_base_is_evicted(name):
     assert engine.stats().rematerializations > 0
     assert torch.equal(got, expected)
     assert got.stride() == expected.stride() and got.storage_offset() == expected.storage_offset()
+
+
+def test_cudnn_dropout_state_is_returned_plain_and_never_sized():
+    """ATen caches cuDNN's dropout state for the process and reuses it in and out of blocks
+    (ops.py, ``_PLAIN_OUTPUTS``): never a wrapper, never charged, and not sized before it runs
+    (charged, its 6 MiB failed every tiny ``nn.LSTM`` budget on a GPU)."""
+    f = facts_for(torch.ops.aten._cudnn_init_dropout_state.default)
+    assert f.plain_outputs == (0,) and not f.sized and not f.simple
+    state = torch.empty(6 << 20, dtype=torch.uint8)  # what the CUDA kernel returns
+    fresh, fresh_pos, same, plain = sort_outputs(f, state, [], {}, None)
+    assert (fresh, fresh_pos, same, plain) == ([], [], {}, [])

@@ -280,6 +280,9 @@ def _compute(func) -> OpFacts:
                 f"dtr: {f.name} returns views of several arguments or mixes views with new "
                 "tensors; please report this op"
             )
+    if f.plain_outputs and any(is_list for _, is_list, _ in f.returns):
+        # Plain positions count flattened outputs; ``sized`` below counts schema returns.
+        raise NotImplementedError(f"dtr: plain outputs of {f.name}, which returns a list, are not supported")
     f.sized = f.kind is Kind.COMPUTE and name.startswith("aten::") and any(
         k == FRESH for i, (k, _, _) in enumerate(f.returns) if i not in f.plain_outputs)
     if f.kind is Kind.VIEW:
