@@ -271,16 +271,19 @@ def section_checkpoint(case, device, args):
 
 
 def _fits(build, device, method, cap, margin):
-    """(fits, seconds per step) of one step of ``build()`` under ``cap`` bytes of device memory."""
+    """(seconds per step, or None when a step of ``build()`` does not fit under ``cap`` bytes of
+    device memory; what refused it: the allocator's cap or dtr's budget, with their words)."""
     case = None
     try:
         case = build()
         engine = dtr.budget(int(cap * (1 - margin)), total=True) if method == "dtr" else None
         for _ in range(2):  # the second step is the steady state (gradients exist, sizes learned)
             t, _ = timed(case, device, engine, checkpoint=method == "checkpoint")
-        return True, t
-    except (torch.cuda.OutOfMemoryError, dtr.OutOfBudgetError):
-        return False, None
+        return t, None
+    except (torch.cuda.OutOfMemoryError, dtr.OutOfBudgetError) as e:
+        # dtr within its budget refused by the allocator's cap points at fragmentation or
+        # memory dtr does not count; its own refusal names the op.
+        return None, f"{type(e).__name__}: {str(e)[:240]}"
     finally:
         del case
         torch.cuda.empty_cache()
@@ -297,13 +300,13 @@ def section_batch(name, device, args):
             if method == "checkpoint" and name == "treelstm":  # no sequential structure to checkpoint
                 continue
             deadline = time.perf_counter() + args.batch_seconds
-            best, best_t, lo, hi, b = 0, None, 0, None, args.batch_start[name]
+            best, best_t, lo, hi, b, refused = 0, None, 0, None, args.batch_start[name], None
             while time.perf_counter() < deadline:
-                ok, t = _fits(lambda: BUILDERS[name](args.size, device, b), device, method, cap, args.dtr_margin)
-                if ok:
+                t, why = _fits(lambda: BUILDERS[name](args.size, device, b), device, method, cap, args.dtr_margin)
+                if t is not None:
                     best, best_t, lo = b, t, b
                 else:
-                    hi = b
+                    hi, refused = b, why
                 if hi is None:
                     b *= 2
                 elif hi - lo <= max(1, lo // 16):
@@ -313,7 +316,7 @@ def section_batch(name, device, args):
             converged = hi is not None and hi - lo <= max(1, lo // 16)
             yield dict(section="batch", method=method, cap=cap, largest_batch=best, searched_up_to=hi,
                        converged=converged, samples_per_s=best / best_t if best_t else None,
-                       dtr_margin=args.dtr_margin)
+                       dtr_margin=args.dtr_margin, refused_by=refused)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
 
@@ -433,7 +436,8 @@ def describe(row):
     if s == "batch":
         sps = f"{row['samples_per_s']:.1f} samples/s" if row["samples_per_s"] else "-"
         cut = "" if row.get("converged", True) else " (at least: the search hit --batch-seconds)"
-        return f"{row['method']:10} largest batch {row['largest_batch']}{cut} under {row['cap'] / 2**30:.1f} GiB, {sps}"
+        why = f"; {row['searched_up_to']} refused by {row['refused_by'][:100]}" if row.get("refused_by") else ""
+        return f"{row['method']:10} largest batch {row['largest_batch']}{cut} under {row['cap'] / 2**30:.1f} GiB, {sps}{why}"
     if s == "cost":
         return (f"syncs {row['syncs']}; estimate/measured median {row['median_ratio']:.2f} "
                 f"(p10 {row['p10_ratio']:.2f}, p90 {row['p90_ratio']:.2f}), rank correlation {row['spearman']:.2f}, "
