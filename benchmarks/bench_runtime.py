@@ -19,8 +19,10 @@ Two sections (the runtime issue's benchmark):
    mode, as a training loop runs them, minus eager's. Target: <= 20 us of engine work per op,
    full collections included.
 2. ``models``: one training step (forward + ``loss.backward()`` inside the block) of each model
-   of ``dtr.testing.zoo`` at its "bench" preset, eagerly, under the pass-through mode, under
-   ``dtr.budget(None)``, and under ``dtr.budget(f x peak)`` for each ``--fractions`` f, where
+   of ``dtr.testing.zoo`` at its "bench" preset, eagerly, under the pass-through mode, under a
+   mode that only wraps (``WrapperFloor``: every result handed to the program as a wrapper
+   subclass holding the plain tensor, nothing recorded; the floor of any design that, like
+   dtr's, gives the program tensors of its own), under ``dtr.budget(None)``, and under ``dtr.budget(f x peak)`` for each ``--fractions`` f, where
    peak is the unlimited run's ``stats().peak_resident_bytes``. Default (measured) cost model.
    Target: <= 1.10x eager with an unlimited budget on ``mlp`` and ``transformer``. These steps
    too start from a ``gc.collect()``: full collections are not in them (see "full gc" above
@@ -125,6 +127,46 @@ class RawPassThrough(PassThrough):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass that holds a plain tensor and nothing else (``WrapperFloor``)."""
+
+    __slots__ = ("plain",)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("_Wrapped tensors are only handled by WrapperFloor")
+
+
+def _wrap(out):
+    if type(out) is torch.Tensor:
+        w = torch.Tensor._make_wrapper_subclass(_Wrapped, out.size(), strides=out.stride(),
+                                                storage_offset=out.storage_offset(), dtype=out.dtype,
+                                                device=out.device, layout=out.layout)
+        w.plain = out
+        return w
+    if type(out) is list or type(out) is tuple:
+        return type(out)(_wrap(o) for o in out)
+    return out
+
+
+def _unwrap(a):
+    if type(a) is _Wrapped:
+        return a.plain
+    if type(a) is list or type(a) is tuple:
+        return type(a)(_unwrap(x) for x in a)
+    return a
+
+
+class WrapperFloor(TorchDispatchMode):
+    """Runs every op on the plain tensors inside its arguments and hands each result to the
+    program as a new ``_Wrapped``: what a tensor subclass costs before any bookkeeping
+    (``_make_wrapper_subclass``, unwrapping, autograd over subclass tensors)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in (kwargs or {}).items()})
+        return _wrap(out)
 
 
 class CountOps(TorchDispatchMode):
@@ -423,26 +465,29 @@ def _trim_pstats(text: str, strip: str = "") -> str:
 
 
 def model_steps(name: str) -> Dict[str, Callable]:
-    """The step of each mode for one model: ``eager``, ``passthrough``, ``dtr_unlimited``
+    """The step of each mode for one model: ``eager``, ``passthrough``, ``wrapper``, ``dtr_unlimited``
     (each returns the engine's stats or None) and ``under(budget)`` (a step under that
     budget)."""
     zoo_name, overrides = TINY_LOOPS.get(name, (name, {}))
     w = build(zoo_name, "bench", **overrides)
     model = w.model
 
-    def passthrough():
-        for p in model.parameters():
-            p.grad = None
-        torch.manual_seed(1)
-        with PassThrough():
-            loss = w.loss_fn(model, w.batch)
-            loss.backward()
+    def in_mode(mode):
+        def step():
+            for p in model.parameters():
+                p.grad = None
+            torch.manual_seed(1)
+            with mode():
+                loss = w.loss_fn(model, w.batch)
+                loss.backward()
+
+        return step
 
     def under(budget):
         return lambda: run_step(w, model, budget).stats
 
-    return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": passthrough,
-            "dtr_unlimited": under(None), "under": under}
+    return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": in_mode(PassThrough),
+            "wrapper": in_mode(WrapperFloor), "dtr_unlimited": under(None), "under": under}
 
 
 def run_worker(spec: dict, args) -> None:
@@ -452,7 +497,7 @@ def run_worker(spec: dict, args) -> None:
     mode, budget = spec["mode"], spec.get("budget")
     fn = steps["under"](budget) if budget is not None else steps[mode]
     ops = None
-    if mode == "passthrough":
+    if mode in ("passthrough", "wrapper"):
         with CountOps() as counter:
             steps["passthrough"]()
         ops = counter.ops
@@ -491,13 +536,14 @@ def run_models(args, base, out) -> None:
     print(f"\n## one training step (forward + backward), zoo 'bench' presets; "
           f"target <= {TARGET_RATIO:.2f}x eager unlimited on {' and '.join(TARGET_MODELS)}")
     print(f"(each mode in its own process, {args.processes} processes per mode taking turns, {args.warmup} "
-          f"untimed + {args.repeats} timed steps each; ratio: median wall time / eager's; of floor: / the pass-through mode's; cpu ratio: the same "
+          f"untimed + {args.repeats} timed steps each; ratio: median wall time / eager's; of floor: / the pass-through mode's; of wrapper: / the wrapper-only mode's; cpu ratio: the same "
           "from process CPU time;\n us/op: extra wall time over eager per intercepted op; faults: minor page "
           "faults per step, median)")
-    print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} {'of floor':>8} "
+    print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} {'of floor':>8} {'of wrapper':>10} "
           f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7}  status")
     for name in progress(args.models, "models"):
-        eager, passthrough, unlimited = every = [Series(m, None) for m in ("eager", "passthrough", "dtr_unlimited")]
+        eager, passthrough, wrapper, unlimited = every = [
+            Series(m, None) for m in ("eager", "passthrough", "wrapper", "dtr_unlimited")]
         fixed = [Series(f"dtr_{f:g}x_peak", None) for f in args.fractions]
         f_of = dict(zip(fixed, args.fractions))
         for _ in range(args.processes):
@@ -513,7 +559,7 @@ def run_models(args, base, out) -> None:
                     _in_process({"model": name, "mode": s.mode, "budget": s.budget}, args, s)
         every = every + fixed
         e_wall = eager.median("wall")
-        floor = passthrough.median("wall")
+        floor, wrapped = passthrough.median("wall"), wrapper.median("wall")
         for s in every:
             wall = s.median("wall")
             status = s.status if s.ok or not s.runs else f"{s.status} (after {len(s.runs)} runs)"
@@ -530,6 +576,8 @@ def run_models(args, base, out) -> None:
                     row["us_per_op"] = _r((wall - e_wall) / s.ops, 1e6)
             if wall is not None and floor:
                 row["of_floor"] = round(wall / floor, 3)
+            if wall is not None and wrapped:
+                row["of_wrapper"] = round(wall / wrapped, 3)
             row.update(_stats_fields(s))
             out.write(json.dumps(row) + "\n")
             out.flush()
@@ -555,7 +603,7 @@ def _model_line(row: dict) -> str:
     if row["model"] in TINY_LOOPS and row["mode"] == "dtr_unlimited" and row.get("of_floor") is not None:
         target = "  target " + ("met" if row["of_floor"] <= TARGET_OF_FLOOR else "NOT met")
     return (f"{row['model']:<12} {row['mode']:<16} {f('budget_bytes', '.1f', 2**-20):>10} "
-            f"{f('median_ms', '.1f'):>10} {f('cpu_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('of_floor', '.2f'):>8} {f('cpu_ratio', '.2f'):>9} "
+            f"{f('median_ms', '.1f'):>10} {f('cpu_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('of_floor', '.2f'):>8} {f('of_wrapper', '.2f'):>10} {f('cpu_ratio', '.2f'):>9} "
             f"{f('us_per_op', '.1f'):>7} {f('ops', 'd'):>6} {f('evictions', 'd'):>6} {f('remats', 'd'):>6} "
             f"{f('peak_bytes', '.1f', 2**-20):>9} {f('minor_faults', '.0f'):>7}  {row['status']}{target}")
 
