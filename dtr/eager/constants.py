@@ -30,6 +30,7 @@ reaches after ``set_`` or ``x.data = y``; the inner tensors of a subclass withou
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -102,14 +103,19 @@ class Constants:
         # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
         self.memory: Dict[int, set] = {}
         self.addresses: Dict[int, tuple] = {}  # key -> its addresses in ``memory``
-        self.nbytes: Dict[int, int] = {}  # key -> bytes, for Stats.constant_bytes
+        # key -> (weak reference to the keyed tensor, its storage's bytes), for
+        # Stats.constant_bytes; a key whose tensor died may come back as another constant's
+        # (ids are reused), whose bytes count too: ``retired`` keeps the dead one's.
+        self.nbytes: Dict[int, tuple] = {}
+        self.retired = 0
         self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
         self.counted: Dict[int, int] = {}  # storage address -> bytes of the constants counted
 
     @property
     def read_bytes(self) -> int:
-        """Bytes of the constants the block's records have read (``Stats.constant_bytes``)."""
-        return sum(self.nbytes.values())
+        """Bytes of the distinct constants the block's records have read
+        (``Stats.constant_bytes``)."""
+        return self.retired + sum(n for _, n in self.nbytes.values())
 
     @property
     def counted_bytes(self) -> int:
@@ -125,15 +131,19 @@ class Constants:
         info: list = []
         for t in consts:
             b = t._base
-            k = id(t if b is None else b)  # key(t), inline: once per constant per op
+            owner = t if b is None else b
+            k = id(owner)  # key(t), inline: once per constant per op
             n = uses.get(k)
-            if n is None:
+            if n is None:  # no live record holds it: its id may be a dead constant's
                 uses[k] = 1
                 found = self.addresses[k] = addresses_of(t) or ()
                 for p in found:
                     self.memory.setdefault(p, set()).add(k)
-                if k not in self.nbytes and t.layout is _strided:
-                    self.nbytes[k] = t.untyped_storage().nbytes()
+                seen = self.nbytes.get(k)
+                if (seen is None or seen[0]() is not owner) and t.layout is _strided:
+                    if seen is not None:
+                        self.retired += seen[1]
+                    self.nbytes[k] = (weakref.ref(owner), t.untyped_storage().nbytes())
             else:
                 uses[k] = n + 1
             info += (k, t, t._version)
