@@ -272,3 +272,15 @@ def test_constant_bytes_count_each_constant_once_though_ids_are_reused():
             del y, t
     assert len(ids) < 50  # ids were reused (what made the count depend on timing)
     assert engine.stats().constant_bytes == a.nbytes + 50 * 3 * 8
+
+
+def test_constant_bytes_count_aliases_of_a_constant_once():
+    """``w.detach()`` and ``w.data`` made afresh at every read are one constant (Note [Aliases])."""
+    w = torch.randn(32, 32)
+    x = torch.randn(4, 32)
+    with dtr.budget(None) as engine:
+        for _ in range(20):
+            y = x @ w.detach()
+            y = x @ w.data
+            del y
+    assert engine.stats().constant_bytes == w.nbytes + x.nbytes

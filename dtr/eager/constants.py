@@ -103,10 +103,11 @@ class Constants:
         # identity of its own (x.data, x.detach()) is matched by address (Note [Aliases]).
         self.memory: Dict[int, set] = {}
         self.addresses: Dict[int, tuple] = {}  # key -> its addresses in ``memory``
-        # key -> (weak reference to the keyed tensor, its storage's bytes), for
-        # Stats.constant_bytes; a key whose tensor died may come back as another constant's
-        # (ids are reused), whose bytes count too: ``retired`` keeps the dead one's.
-        self.nbytes: Dict[int, tuple] = {}
+        # Storage address (a subclass's tensor id) -> (weak reference to it, its bytes), for
+        # Stats.constant_bytes: aliases (``w.detach()``, ``w.data``) are one constant; an
+        # address whose storage died may come back as another constant's, whose bytes count
+        # too (``retired`` keeps the dead one's).
+        self.nbytes: Dict[Any, tuple] = {}
         self.retired = 0
         self.external: Dict[int, Any] = {}  # memory address -> EXTERNAL storage handed out
         self.counted: Dict[int, int] = {}  # storage address -> bytes of the constants counted
@@ -131,23 +132,34 @@ class Constants:
         info: list = []
         for t in consts:
             b = t._base
-            owner = t if b is None else b
-            k = id(owner)  # key(t), inline: once per constant per op
+            k = id(t if b is None else b)  # key(t), inline: once per constant per op
             n = uses.get(k)
-            if n is None:  # no live record holds it: its id may be a dead constant's
+            if n is None:
                 uses[k] = 1
                 found = self.addresses[k] = addresses_of(t) or ()
                 for p in found:
                     self.memory.setdefault(p, set()).add(k)
-                seen = self.nbytes.get(k)
-                if (seen is None or seen[0]() is not owner) and t.layout is _strided:
-                    if seen is not None:
-                        self.retired += seen[1]
-                    self.nbytes[k] = (weakref.ref(owner), t.untyped_storage().nbytes())
+                if t.layout is _strided:
+                    self._read(t, t if b is None else b)
             else:
                 uses[k] = n + 1
             info += (k, t, t._version)
         return tuple(info)
+
+    def _read(self, t: torch.Tensor, owner: torch.Tensor) -> None:
+        """Count the storage of ``t`` (whose base is ``owner``) in ``read_bytes`` unless it is
+        counted already."""
+        st = t.untyped_storage()
+        if own_dispatch(t):  # a subclass's storage has no address: counted by its tensor
+            key, obj = ("tensor", id(owner)), owner
+        else:
+            key, obj = st.data_ptr(), st
+        seen = self.nbytes.get(key)
+        if seen is None or seen[0]() is not obj:
+            nbytes = st.nbytes()
+            if seen is not None:
+                self.retired += seen[1]
+            self.nbytes[key] = (weakref.ref(obj), nbytes)
 
     def forget(self, rec) -> None:
         """The runtime's ``Executor.forget``: ``rec`` will never be replayed, so its constants
