@@ -19,7 +19,8 @@ Two sections (the runtime issue's benchmark):
    mode, as a training loop runs them, minus eager's. Target: <= 20 us of engine work per op,
    full collections included.
 2. ``models``: one training step (forward + ``loss.backward()`` inside the block) of each model
-   of ``dtr.testing.zoo`` at its "bench" preset, eagerly, under the pass-through mode, under a
+   of ``dtr.testing.zoo`` at its "bench" preset, eagerly, under the pass-through mode (without
+   torch's dynamo guard, as ``passthrough_raw`` above and ``DTRMode``), under a
    mode that only wraps (``WrapperFloor``: every result handed to the program as a wrapper
    subclass holding the plain tensor, nothing recorded; the floor of any design that, like
    dtr's, gives the program tensors of its own), under ``dtr.budget(None)``, and under ``dtr.budget(f x peak)`` for each ``--fractions`` f, where
@@ -141,9 +142,14 @@ class _Wrapped(torch.Tensor):
 
 def _wrap(out):
     if type(out) is torch.Tensor:
-        w = torch.Tensor._make_wrapper_subclass(_Wrapped, out.size(), strides=out.stride(),
-                                                storage_offset=out.storage_offset(), dtype=out.dtype,
-                                                device=out.device, layout=out.layout)
+        # As dtr.eager.tensor.make_wrapper builds its wrappers: positional arguments, and no
+        # strides where they are the default.
+        size = out.size()
+        if out.is_contiguous() and not out.storage_offset() and 1 not in size and 0 not in size:
+            w = torch.Tensor._make_wrapper_subclass(_Wrapped, size, None, None, None, out.dtype, out.layout, out.device)
+        else:
+            w = torch.Tensor._make_wrapper_subclass(_Wrapped, size, out.stride(), out.storage_offset(), None,
+                                                    out.dtype, out.layout, out.device)
         w.plain = out
         return w
     if type(out) is list or type(out) is tuple:
@@ -162,10 +168,19 @@ def _unwrap(a):
 class WrapperFloor(TorchDispatchMode):
     """Runs every op on the plain tensors inside its arguments and hands each result to the
     program as a new ``_Wrapped``: what a tensor subclass costs before any bookkeeping
-    (``_make_wrapper_subclass``, unwrapping, autograd over subclass tensors)."""
+    (``_make_wrapper_subclass``, unwrapping, autograd over subclass tensors). As in dtr, views
+    of plain tensors (``weight.t()``) stay plain, and torch's dynamo guard around the mode is
+    left out (``RawPassThrough``; ``DTRMode`` has none either: Note [Dynamo guard])."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in (kwargs or {}).items()})
+        plain = [_unwrap(a) for a in args]
+        out = func(*plain, **{k: _unwrap(v) for k, v in (kwargs or {}).items()})
+        if func.is_view and all(p is a for p, a in zip(plain, args)):
+            return out
         return _wrap(out)
 
 
@@ -486,7 +501,7 @@ def model_steps(name: str) -> Dict[str, Callable]:
     def under(budget):
         return lambda: run_step(w, model, budget).stats
 
-    return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": in_mode(PassThrough),
+    return {"eager": lambda: run_step(w, model, "eager").stats, "passthrough": in_mode(RawPassThrough),
             "wrapper": in_mode(WrapperFloor), "dtr_unlimited": under(None), "under": under}
 
 
