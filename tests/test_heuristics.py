@@ -244,8 +244,10 @@ class IndexMachine(RuntimeMachine):
 
 
 def test_index_stateful(checked_index):
+    # Random runs pick from 20 to 300 times, and now and then not at all, which failed the check
+    # that the index was exercised: derandomized, the examples are the same in every run.
     run_state_machine_as_test(IndexMachine, settings=settings(max_examples=60, stateful_step_count=40,
-                                                              deadline=None))
+                                                              deadline=None, derandomize=True))
     assert checked_index.picks > 0
 
 
