@@ -25,11 +25,12 @@ Sections (``--sections``):
   ``torch.cuda.set_sync_debug_mode("warn")``, eager against dtr (unlimited and evicting); and
   the roofline estimate of each op against its CUDA-event time in an eager step.
 
-    python3 benchmarks/bench_gpu.py --out $OUT/gpu.jsonl               # on the GPU machine
+    DTR_COMMIT=<hash> python3 benchmarks/bench_gpu.py --out $OUT/gpu.jsonl   # on the GPU machine
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --size tiny --out /tmp/gpu.jsonl
     .venv/bin/python benchmarks/bench_gpu.py --plot-only --out benchmarks/results/gpu.jsonl
 
-Rows (JSON lines, with commit, device name and torch version) go to ``--out``; ``--plot``
+Rows (JSON lines, with commit, device name and torch version) go to ``--out`` (``DTR_COMMIT``
+names the commit where the machine's copy of the tree kept another HEAD); ``--plot``
 draws slowdown against budget with the DTR paper's curves (Titan V) on it.
 """
 

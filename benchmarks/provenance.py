@@ -19,7 +19,11 @@ def machine() -> str:
 
 def commit() -> str:
     """Short hash of HEAD, with "-dirty" if tracked files differ from it, results aside (a
-    benchmark's own rows, appended by an earlier run, do not change what is measured)."""
+    benchmark's own rows, appended by an earlier run, do not change what is measured).
+    ``DTR_COMMIT`` overrides it where the checkout's git metadata is missing or not the code's
+    (a copy of the working tree sent to a GPU machine kept the session's first HEAD)."""
+    if os.environ.get("DTR_COMMIT"):
+        return os.environ["DTR_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
