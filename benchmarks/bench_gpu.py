@@ -106,11 +106,17 @@ def gpt2(size, device, batch=None):
         return m(input_ids=x, labels=x).loss
 
     def checkpointed(m, x):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        # Renamed activation_checkpointing_* in later transformers releases (the old names warn).
+        if hasattr(m, "activation_checkpointing_enable"):
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+            disable = m.activation_checkpointing_disable
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+            disable = m.gradient_checkpointing_disable
         try:
             return loss(m, x)
         finally:
-            m.gradient_checkpointing_disable()
+            disable()
 
     return Case("gpt2", model, ids, loss, checkpointed, f"GPT-2 {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, seq {seq}, batch {b}")
 

@@ -1,0 +1,50 @@
+"""``benchmarks/bench_gpu.py`` on CPU at its tiny sizes: what every section that runs without a
+GPU yields (the GPU machine's time is too short to find a broken script there), its rank
+correlation with ties, and the plot of the shipped rows."""
+
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # benchmark scripts import their siblings by name
+
+import bench_gpu  # noqa: E402
+
+CPU = torch.device("cpu")
+ARGS = Namespace(repeats=1, fractions=[0.9, 0.5, 0.01])
+
+
+@pytest.mark.parametrize("name", sorted(bench_gpu.BUILDERS))
+def test_sections_on_cpu(name):
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+    case = bench_gpu.BUILDERS[name]("tiny", CPU)
+    (overhead,) = bench_gpu.section_overhead(case, CPU, ARGS)
+    assert overhead["ops"] > 0 and overhead["ratio"] > 0 and overhead["eager_true_peak"] is None
+    budgets = list(bench_gpu.section_budgets(case, CPU, ARGS))
+    statuses = [r["status"] for r in budgets]
+    assert statuses[0] == "ok" and statuses[-1] != "ok"  # down to the first fraction that cannot run
+    assert all(s == "ok" for s in statuses[:-1]) and "OutOfBudgetError" in statuses[-1]
+    assert all(r["evictions"] >= 0 and r["replays"] >= 0 for r in budgets if r["status"] == "ok")
+    for row in list(budgets) + [overhead]:
+        assert bench_gpu.describe(dict(row, model=name))
+    checkpoint = list(bench_gpu.section_checkpoint(case, CPU, ARGS))
+    assert len(checkpoint) == (case.checkpointed is not None)
+
+
+def test_rank_correlation_averages_ties():
+    assert bench_gpu._spearman([1, 2, 2, 3], [10, 20, 20, 30]) == pytest.approx(1.0)
+    assert bench_gpu._spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert bench_gpu._spearman([1, 1, 2, 2], [5, 6, 7, 8]) == pytest.approx(0.894, abs=1e-3)
+
+
+def test_plot_of_the_shipped_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [json.loads(line) for line in open(BENCHMARKS / "results" / "gpu.jsonl")]
+    assert bench_gpu.plot(rows, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
