@@ -53,7 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtr
 from dtr.eager.cost import estimate_seconds
 from dtr.testing import zoo
-from dtr.testing.step import budget_at
+from dtr.testing.memory import measured_peak
+from dtr.testing.step import budget_at, training_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plotting import pyplot  # noqa: E402
@@ -78,15 +79,8 @@ class Case:
         self.checkpointed, self.arch = checkpointed, arch
 
     def step(self, engine=None, checkpoint=False):
-        model = self.model
-        model.zero_grad()  # set_to_none=True, PyTorch's default: the step makes the gradients
-        torch.manual_seed(1)
         fn = self.checkpointed if checkpoint else self.loss_fn
-        if engine is None:
-            fn(model, self.batch).backward()
-        else:
-            with engine:
-                fn(model, self.batch).backward()
+        training_step(zoo.Workload(self.name, self.model, self.batch, fn), self.model, engine)
 
 
 def gpt2(size, device, batch=None):
@@ -194,12 +188,8 @@ def peak_of(case, device, engine=None, checkpoint=False):
         case.step(engine, checkpoint)
         return None, None
     case.model.zero_grad()
-    sync(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    case.step(engine, checkpoint)
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - base, torch.cuda.max_memory_reserved(device)
+    peak = measured_peak(lambda: case.step(engine, checkpoint), device)
+    return peak, torch.cuda.max_memory_reserved(device)
 
 
 def repeat(case, device, n, engine=None, checkpoint=False):

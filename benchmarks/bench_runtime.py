@@ -111,16 +111,10 @@ TARGET_OF_FLOOR = 1.5
 # ------------------------------------------------------------------------------ running
 
 
-class PassThrough(TorchDispatchMode):
-    """The Python-dispatch floor: a mode that runs every op as it is."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-class RawPassThrough(PassThrough):
-    """The same without the ``torch._disable_dynamo`` wrapper torch puts around every mode's
-    ``__torch_dispatch__`` (private opt-out), to show what that wrapper costs."""
+class RawPassThrough(TorchDispatchMode):
+    """The Python-dispatch floor: a mode that runs every op as it is, without the
+    ``torch._disable_dynamo`` wrapper torch puts around every mode's ``__torch_dispatch__``
+    (private opt-out; ``DTRMode`` has none either)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -170,7 +164,9 @@ class WrapperFloor(TorchDispatchMode):
     program as a new ``_Wrapped``: what a tensor subclass costs before any bookkeeping
     (``_make_wrapper_subclass``, unwrapping, autograd over subclass tensors). As in dtr, views
     of plain tensors (``weight.t()``) stay plain, and torch's dynamo guard around the mode is
-    left out (``RawPassThrough``; ``DTRMode`` has none either: Note [Dynamo guard])."""
+    left out (``RawPassThrough``; ``DTRMode`` has none either: Note [Dynamo guard]).
+    ``op_breakdown.BareMode`` is its instrumented counterpart (kernels timed, strides always
+    passed), whose figures docs/runtime.md quotes at the commit that measured them."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

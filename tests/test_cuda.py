@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
+from dtr.testing.memory import measured_peak
 from dtr.testing.step import budget_at, fresh_model, run_step, training_step
 
 from conftest import DEVICE, workload
@@ -46,15 +47,9 @@ class _WorkingSets(TorchDispatchMode):
 
 
 def _true_peak(model, fn):
-    """Bytes ``fn()`` allocates at most above what is allocated before it, the gradients of
-    ``model``'s previous step already dropped."""
+    """``measured_peak(fn)``, the gradients of ``model``'s previous step already dropped."""
     model.zero_grad()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    return measured_peak(fn, DEVICE)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "resnet"])
@@ -66,10 +61,8 @@ def test_true_peak_on_cuda_within_budget_plus_one_op(name):
     preexisting = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     preexisting |= {t.untyped_storage().data_ptr() for t in (w.batch if isinstance(w.batch, (list, tuple)) else [w.batch])}
     sets = _WorkingSets(preexisting)
-    model.zero_grad()
-    torch.manual_seed(1)
     with sets:
-        w.loss_fn(model, w.batch).backward()
+        training_step(w, model)
     eager_peak = _true_peak(model, lambda: training_step(w, model))
     probe = dtr.budget(None)
     unlimited = _true_peak(model, lambda: training_step(w, model, probe))

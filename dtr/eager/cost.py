@@ -64,7 +64,7 @@ def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
         return launch
     formula = _FLOPS.get(func.overloadpacket)
     if formula is None:
-        return (_nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)) / bytes_per_s + launch
+        return _moved(args, kwargs, outs) / bytes_per_s + launch
     if not hasattr(formula, "__wrapped__"):  # a raw formula: it may read values (Note [Cached estimates])
         return _with_flops(formula, args, kwargs, outs, flops_per_s, bytes_per_s) + launch
     key = (func, device, _signature(args), _signature(kwargs.values()), tuple(kwargs), _signature(outs))
@@ -109,8 +109,13 @@ def _signature(values) -> tuple:
 _HASHABLE = {type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 
 
+def _moved(args, kwargs, outs) -> int:
+    """Bytes the op reads and writes."""
+    return _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)
+
+
 def _with_flops(formula, args, kwargs, outs, flops_per_s: float, bytes_per_s: float) -> float:
-    seconds = (_nbytes(args) + _nbytes(kwargs.values()) + _nbytes(outs)) / bytes_per_s
+    seconds = _moved(args, kwargs, outs) / bytes_per_s
     out = outs[0] if len(outs) == 1 else tuple(outs)
     try:
         return max(seconds, formula(*args, **kwargs, out_val=out) / flops_per_s)
