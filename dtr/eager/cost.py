@@ -78,8 +78,8 @@ def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
 
 # Note [Cached estimates]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# torch's FLOP formulas are Python over the arguments' shapes and cost 15-40 us a call (a
-# matmul, a convolution), more than the rest of the engine's work on the op; on CUDA every op
+# torch's FLOP formulas are Python over the arguments' shapes and cost more than the rest of
+# the engine's work on a matmul or a convolution (docs/runtime.md); on CUDA every op
 # is estimated, so they are cached by what they read: the op, and each argument's shape and
 # dtype (tensors) or value (anything else). That holds for the formulas torch registers on
 # shapes (wrapped, so with ``__wrapped__``); the few it registers raw (variable-length flash and
