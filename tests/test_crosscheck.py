@@ -46,6 +46,8 @@ def test_one_pass_paths_record_what_the_general_path_would(name, comparisons):
     assert counts["simple op"] > 0 and counts["one-view op"] > 0, counts
     if name in ("transformer", "lstmcell", "treelstm"):  # weights shared across uses
         assert counts["sum in place"] > 0, counts
+    if name in ("lstmcell", "treelstm"):  # weights used three times and more
+        assert counts["sum into a permanent sum"] > 0, counts
 
 
 def _program(x, w):

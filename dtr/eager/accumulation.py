@@ -19,8 +19,14 @@ values are bit for bit those of ``old + new``.
 
 A sum into a parameter's gradient, and a sum into a sum (the third gradient of a tensor used
 three times, and every one after), in place or not, is then made permanent
-(``Runtime.make_permanent``; later writes to a storage without lineage are permanent by
-construction), as in eager, where nothing is recomputable. Its lineage is every gradient
+(``Runtime.make_permanent``), as in eager, where nothing is recomputable. A sum whose ``old``
+is such a permanent sum, exclusively held, is written into that very storage: no new version,
+since nothing can recompute it and no replayable record reads it (the exclusivity test's
+``uses`` condition), so the engine records an op that makes nothing and hands back a new
+wrapper over the same cell (``Gradients._add_to_permanent``). A weight used n times keeps one
+storage for its running sum, where each sum made a storage, a record and a cut of its
+predecessor's lineage (``bench_runtime.py --sections models`` on the small trees and the
+bench TreeLSTM, README). Its lineage is every gradient
 summed so far, so its true recomputation cost is the backward pass up to here, which the
 heuristics do not see: with lineage kept, simulations of the bench TreeLSTM's trace at 0.67
 of its peak, and of the GRU cell loop's at 0.5, re-summed weight and embedding gradients tens

@@ -3,7 +3,8 @@ would record for the same op.
 
 The driver registers most ops on one-pass paths that skip the general path's bookkeeping:
 simple ops (``Driver._run`` with ``facts.simple``: no writes, one new tensor), one-view ops
-(``Driver._run_view``) and gradient sums in place (``Gradients._sum``). Nothing else checks
+(``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into a permanent
+running sum (``Gradients._add_to_permanent``). Nothing else checks
 that they record what the general path would: a drift shows only as a wrong replay, later, or
 never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
 a ``CrosscheckedDriver``: after each op a one-pass path handled, it scans the op's arguments
@@ -78,6 +79,15 @@ class CrosscheckedDriver(Driver):
             want = (old.shape, old.stride(), old.storage_offset(), old.dtype)
             _expect(facts, "sum in place", "result's view", got, want, got == want)
             self.crosschecked["sum in place"] += 1
+        elif type(result) is DTRTensor and result._dtr.cell.storage is before:
+            # Added to a permanent running sum: no new version; the result stands for ``old``.
+            cell = old._dtr.cell
+            _expect(facts, "sum into a permanent sum", "result's cell", result._dtr.cell, cell, result._dtr.cell is cell)
+            _expect(facts, "sum into a permanent sum", "lineage", before.parent, None, before.parent is None)
+            got = (result.shape, result.stride(), result.storage_offset(), result.dtype)
+            want = (old.shape, old.stride(), old.storage_offset(), old.dtype)
+            _expect(facts, "sum into a permanent sum", "result's view", got, want, got == want)
+            self.crosschecked["sum into a permanent sum"] += 1
         return result
 
     def _compare(self, path: str, facts, func, args, kwargs, result, only) -> None:

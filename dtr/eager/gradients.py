@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
 from dtr.eager import accumulation
+from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import facts_for
+from dtr.eager.replay import fill
 from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.core import State
+from dtr.core import OpRecord, State
 
 __all__ = ["Gradients"]
 
@@ -135,8 +138,11 @@ class Gradients:
         made permanent when it is a parameter's gradient or extends a chain of sums."""
         old = args[0]
         rt = self.rt
-        chained = accumulation.summed(old._dtr.cell.storage)
+        s = old._dtr.cell.storage
+        chained = accumulation.summed(s)
         if self._in_place(old, args):
+            if s.parent is None:  # a running sum already permanent (Note [Accumulation in place])
+                return self._add_to_permanent(args)
             self._run(_ADD_FACTS, _ADD_, args, {})
             ref = old._dtr
             cell = ref.cell = rt.resolve(ref.cell)
@@ -149,6 +155,37 @@ class Gradients:
         if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
             rt.make_permanent([cell], yielding=True)
         return out
+
+    def _add_to_permanent(self, args) -> DTRTensor:
+        """``old.add_(new)`` where ``old``'s storage is permanent and ``_in_place`` holds, so
+        that nothing replayable reads it: the write needs no new version (Note [Accumulation
+        in place]). The kernel writes the storage's value; the engine records an op that makes
+        nothing (its clock, the inputs' last access, the cost), and the program gets a new
+        wrapper over ``old``'s cell, as for an op that returns its input."""
+        rt = self.rt
+        inputs: List[Any] = []
+        slots: List[Any] = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        vals = list(args)
+        defined = self._scan(enumerate(args), targs, vals, inputs, slots, consts, None)
+        rt.acquire(inputs)
+        try:
+            if not defined:
+                vals, _ = fill(targs, None, slots, lambda k: inputs[k].value)
+            if self.count_constants and consts:
+                self.count_constants(consts, _ADD_FACTS.name)
+            t0 = perf_counter()
+            out = _ADD_FACTS.kernel(*vals)
+            seconds = perf_counter() - t0
+            if self.estimate:
+                seconds = estimate_seconds(_ADD_, vals, {}, (out,))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        self.op_seconds += seconds
+        rt.complete(OpRecord(_ADD_FACTS.name, inputs, None, seconds), (), ())
+        return make_wrapper(out, rt, inputs[0])
 
     # ------------------------------------------------------------------ optimizer step
 
