@@ -499,7 +499,21 @@ static int wire(PyObject *rt, PyObject *rec, PyObject *new, PyObject *now) {
     PyObject *inputs = SLOT(rec, K_off[K_inputs]);
     Py_ssize_t n = PyList_GET_SIZE(inputs);
     for (Py_ssize_t i = 0; i < n; i++) set_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_last_access], now);
-    if (!live || SLOT(rec, K_off[K_replayable]) != Py_True) return 0;
+    if (!live || SLOT(rec, K_off[K_replayable]) != Py_True) {
+        PyObject *outputs = SLOT(rec, K_off[K_outputs]);
+        if (!live && PyList_GET_SIZE(outputs)) { /* a view op's record */
+            PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+            if (untrack == NULL) return -1;
+            int untracking = untrack != Py_None && untrack_gc;
+            Py_DECREF(untrack);
+            if (untracking) {
+                gc_untrack(rec);
+                gc_untrack(inputs);
+                gc_untrack(outputs);
+            }
+        }
+        return 0;
+    }
     PyObject *ins;
     if (n == 1) {
         PyObject *c = PyList_GET_ITEM(inputs, 0);
@@ -568,7 +582,7 @@ fail:
 }
 
 /* outputs.new_view(base's storage, rec, 0, value): a new reference. */
-static PyObject *new_view(PyObject *base, PyObject *rec, PyObject *value) {
+static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, PyObject *value) {
     PyObject *c = T_Cell->tp_alloc(T_Cell, 0);
     if (c == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
@@ -587,6 +601,13 @@ static PyObject *new_view(PyObject *base, PyObject *rec, PyObject *value) {
         return NULL;
     }
     Py_DECREF(r);
+    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    if (untrack == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    if (untrack != Py_None && untrack_gc) gc_untrack(c);
+    Py_DECREF(untrack);
     return c;
 }
 
@@ -614,7 +635,7 @@ static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObjec
         Py_INCREF(s);
         PyList_SET_ITEM(new, 0, s);
     } else {
-        s = new_view(base, rec, value);
+        s = new_view(rt, base, rec, value);
         if (s == NULL) goto fail;
         outs = PyList_New(1);
         new = PyList_New(0);

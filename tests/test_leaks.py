@@ -13,6 +13,7 @@ import torch
 import dtr
 from dtr.eager.driver import Driver
 from dtr.core import Runtime, State, collector
+from dtr.core.storage import Cell
 from dtr.core.heuristics import LRU
 from dtr.testing.step import budget_at
 from dtr.testing.zoo import MODELS, build
@@ -164,6 +165,33 @@ def test_records_are_kept_from_the_collector():
         last = engine.runtime.resolve(z._dtr.cell).storage
         assert not gc.is_tracked(last)
     assert gc.is_tracked(last)  # still in the graph at the block's end
+
+
+def test_views_are_kept_from_the_collector():
+    """Note [Untracked records]: a view's cell, the record that made it and its lists, and a
+    storage's list of views are invisible to the collector, also a view moved to a new version
+    after an in-place write (``translate``); the views of storages left at the block's end go
+    back to it."""
+    if not collector.NATIVE:
+        pytest.skip("dtr_ext._collector is not built (DTR_PUREPYTHON=1 or no compiler)")
+    x = torch.randn(8, 8)
+    with dtr.budget(None) as engine:
+        rt = engine.runtime
+        y = x * 2
+        v = y.t()  # a one-view op
+        a, b = y.chunk(2)  # several views: the general path
+        cells = [rt.resolve(t._dtr.cell) for t in (v, a, b)]
+        assert all(type(c) is Cell for c in cells)
+        for c in cells:
+            assert not any(gc.is_tracked(o) for o in (c, c.parent, c.parent.inputs, c.parent.outputs)), c
+        assert not gc.is_tracked(cells[0].storage.views)
+        a.mul_(2)  # y's storage gets a new version; v's cell is taken again on it
+        moved = rt.resolve(v._dtr.cell)
+        assert moved is not cells[0] and moved.storage is not cells[0].storage
+        assert not any(gc.is_tracked(o) for o in (moved, moved.parent, moved.parent.inputs, moved.parent.outputs))
+    kept = v._dtr.cell
+    assert gc.is_tracked(kept) and gc.is_tracked(kept.parent) and gc.is_tracked(kept.storage.views)
+    assert torch.equal(v, (x * 2).t() * torch.cat([torch.full((4, 8), 2.0), torch.ones(4, 8)]).t())
 
 
 _WRAPPER_IN_A_CYCLE = """

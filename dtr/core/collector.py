@@ -25,10 +25,17 @@ never be collected, hence the flag: the driver always closes its runtime. A stor
 every record keeps too, is untracked only while it is in the runtime's graph, whose dicts hold
 it, so it is not garbage; it goes back to the collector as it leaves (release, an output
 dropped by a failed fit) or at ``close``, so that a heuristic, a swap log or the program that
-still holds it may hold it in a cycle of their own. Cells, wrappers and their ``Ref``s stay
-tracked: a ``Ref`` is a weakref with a callback, and when its wrapper dies in a garbage cycle
-the collector moves the ref onto its list of callbacks to call, which it can only do for a
-tracked object; hence ``untrack`` refusing weakrefs.
+still holds it may hold it in a cycle of their own. A view's cell, the record that made it
+(with its input and output lists) and a storage's list of weak references to its views are
+untracked as they are made (``outputs.new_view``, ``wire``, ``translate``, ``add_view``): a
+cycle through a view cell also passes through a storage's ``parent`` link (the cell is the
+input of a record whose output's dependents lead back to it), and ``give_back`` returns the
+views of the storages left at ``close``. Views are most of what the collector still saw in
+loops whose cells split their gates into views and write them in place (the LSTMCell loop's
+``gc ms`` in ``bench_runtime.py --sections models``, README). Wrappers
+and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and when its wrapper
+dies in a garbage cycle the collector moves the ref onto its list of callbacks to call, which
+it can only do for a tracked object; hence ``untrack`` refusing weakrefs.
 """
 
 from __future__ import annotations
@@ -76,3 +83,12 @@ def give_back(storages: Iterable[Any]) -> None:
             track(rec, rec.inputs, rec.outputs, rec.use_storages)
         if s.dependents:
             track(s.dependents)
+        if s.views:
+            track(s.views)
+            for w in s.views:
+                c = w()
+                if c is not None:
+                    track(c)
+                    rec = c.parent
+                    if rec is not None:
+                        track(rec, rec.inputs, rec.outputs)

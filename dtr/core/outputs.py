@@ -50,6 +50,10 @@ def wire(rt: Runtime, rec: OpRecord, new: List[Storage], now: int) -> None:
     if not rec.live or not rec.replayable:
         # A view op's outputs live and die with the base's storage; a record that is never
         # replayed needs none of its inputs.
+        if not rec.live and rec.outputs and rt._untrack is not None:
+            # A view op's record: its cells hold it for as long as they live (Note [Untracked
+            # records]).
+            rt._untrack(rec, inputs, rec.outputs)
         return
     # Inputs that are distinct roots are their own storages: the input list then doubles as
     # the edges (one object fewer per op kept for the collector, docs/runtime.md).
@@ -80,4 +84,7 @@ def new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
     storage.py)."""
     c = Cell(s, rec, index, value)
     s.add_view(c)
+    untrack = s.runtime._untrack
+    if untrack is not None:
+        untrack(c)  # Note [Untracked records]
     return c

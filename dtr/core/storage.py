@@ -167,6 +167,9 @@ class Storage:
         views = self.views
         if not views:
             views = self.views = []
+            untrack = self.runtime._untrack
+            if untrack is not None:
+                untrack(views)  # weak references only: Note [Untracked records]
         views.append(_weak(c))  # the record's own weak reference to ``c``, if it has one
         if len(views) & 63 == 0:  # drop the weakrefs of dead view cells now and then
             views[:] = [w for w in views if w() is not None]
@@ -271,6 +274,9 @@ def translate(cell: Union[Storage, Cell]) -> None:
         rec2.outputs = [None] * len(rec.outputs)
         c2 = Cell(s2, rec2, c.index, None)
         rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
+        untrack = s2.runtime._untrack
+        if untrack is not None:
+            untrack(c2, rec2, rec2.inputs, rec2.outputs)  # as new_view's: Note [Untracked records]
         c.forward = c2
         base = c2
 
