@@ -26,8 +26,10 @@ Two sections (the runtime issue's benchmark):
    dtr's, gives the program tensors of its own), under ``dtr.budget(None)``, and under ``dtr.budget(f x peak)`` for each ``--fractions`` f, where
    peak is the unlimited run's ``stats().peak_resident_bytes``. Default (measured) cost model.
    Target: <= 1.10x eager with an unlimited budget on ``mlp`` and ``transformer``. These steps
-   too start from a ``gc.collect()``: full collections are not in them (see "full gc" above
-   for their cost per op). Each mode runs in its own Python process (``--processes`` of them
+   too start from a ``gc.collect()``: full collections are not in them. The "gc ms" column is
+   their time per step, amortized as "full gc" above: each process runs ``--gc-steps``
+   back-to-back steps of its mode after its timed ones (the column: the median over
+   processes). Each mode runs in its own Python process (``--processes`` of them
    per mode, taking turns), as a training run would: on CPU, glibc's allocator hands freed
    memory back to the OS or keeps it depending on the order of the process's earlier
    allocations, and a step pays a minor page fault per 4 KiB it gets back. With the modes
@@ -58,7 +60,7 @@ the medians of the runs that finished before.
 Rows go to ``benchmarks/results/runtime.jsonl``, one JSON object per line and measurement:
 commit, machine, torch version, threads, section, model, mode, budget_bytes, median_ms,
 min_ms, cpu_ms, ratio (to eager, wall), cpu_ratio, us_per_op (extra wall time over eager per
-intercepted op), minor_faults and processes (models), full_gc_us_per_op and
+intercepted op), minor_faults, processes and full_gc_ms (models), full_gc_us_per_op and
 us_per_op_with_full_gc (small ops), ops, evictions, eager_evictions, remats, remat_ms,
 peak_bytes, status, repeats, and the 1-minute load average.
 """
@@ -278,6 +280,7 @@ class Series:
         self.runs: List[Outcome] = []
         self.status = "ok"
         self.ops: Optional[int] = None
+        self.full_gc: List[float] = []  # seconds per step in full collections, one per process (models)
 
     def run(self, limit: float, keep: bool = True) -> bool:
         o = timed(self.fn, limit)
@@ -519,15 +522,23 @@ def run_worker(spec: dict, args) -> None:
     for _ in range(args.repeats):
         if not s.run(args.time_limit):
             break
+    full_gc = None
+    if s.ok and args.gc_steps:
+        try:
+            with time_limit(args.time_limit * (args.gc_steps + 1)):
+                full_gc = full_gc_seconds(fn, args.gc_steps)
+        except RunTimeout:
+            pass
     runs = [{"wall": r.wall, "cpu": r.cpu, "faults": r.faults,
              "stats": None if r.stats is None else dataclasses.asdict(r.stats)} for r in s.runs]
-    print(json.dumps({"status": s.status, "ops": s.ops or ops, "runs": runs}))
+    print(json.dumps({"status": s.status, "ops": s.ops or ops, "runs": runs, "full_gc": full_gc}))
 
 
 def _in_process(spec: dict, args, s: Series) -> None:
     """Run ``run_worker`` for ``spec`` in a fresh Python process; add its runs to ``s``."""
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--warmup", str(args.warmup),
-           "--repeats", str(args.repeats), "--time-limit", str(args.time_limit), "--threads", str(args.threads)]
+           "--repeats", str(args.repeats), "--time-limit", str(args.time_limit), "--threads", str(args.threads),
+           "--gc-steps", str(args.gc_steps)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
@@ -539,6 +550,8 @@ def _in_process(spec: dict, args, s: Series) -> None:
         stats = SimpleNamespace(**r["stats"]) if r["stats"] is not None else None
         s.runs.append(Outcome(r["wall"], r["cpu"], stats, got["ops"], faults=r["faults"]))
     s.ops = got["ops"] or s.ops
+    if got["full_gc"] is not None:
+        s.full_gc.append(got["full_gc"])
     if got["status"] != "ok":
         s.status = got["status"]
 
@@ -549,9 +562,9 @@ def run_models(args, base, out) -> None:
     print(f"(each mode in its own process, {args.processes} processes per mode taking turns, {args.warmup} "
           f"untimed + {args.repeats} timed steps each; ratio: median wall time / eager's; of floor: / the pass-through mode's; of wrapper: / the wrapper-only mode's; cpu ratio: the same "
           "from process CPU time;\n us/op: extra wall time over eager per intercepted op; faults: minor page "
-          "faults per step, median)")
+          "faults per step, median;\n gc ms: full collections per step, amortized over back-to-back steps)")
     print(f"{'model':<12} {'mode':<16} {'budget MiB':>10} {'median ms':>10} {'cpu ms':>9} {'ratio':>6} {'of floor':>8} {'of wrapper':>10} "
-          f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7}  status")
+          f"{'cpu ratio':>9} {'us/op':>7} {'ops':>6} {'evict':>6} {'remat':>6} {'peak MiB':>9} {'faults':>7} {'gc ms':>6}  status")
     for name in progress(args.models, "models"):
         eager, passthrough, wrapper, unlimited = every = [
             Series(m, None) for m in ("eager", "passthrough", "wrapper", "dtr_unlimited")]
@@ -577,7 +590,8 @@ def run_models(args, base, out) -> None:
             row = {**base, "load": round(os.getloadavg()[0], 2), "section": "models", "model": name, "mode": s.mode,
                    "budget_bytes": s.budget, "status": status, "repeats": len(s.runs), "processes": args.processes,
                    "median_ms": _r(wall, 1e3), "cpu_ms": _r(s.median("cpu"), 1e3), "ops": s.ops,
-                   "minor_faults": s.median("faults")}
+                   "minor_faults": s.median("faults"),
+                   "full_gc_ms": _r(statistics.median(s.full_gc), 1e3) if s.full_gc else None}
             if s.runs:
                 row["min_ms"] = _r(min(r.wall for r in s.runs), 1e3)
             if wall is not None and e_wall:
@@ -616,7 +630,7 @@ def _model_line(row: dict) -> str:
     return (f"{row['model']:<12} {row['mode']:<16} {f('budget_bytes', '.1f', 2**-20):>10} "
             f"{f('median_ms', '.1f'):>10} {f('cpu_ms', '.1f'):>9} {f('ratio', '.2f'):>6} {f('of_floor', '.2f'):>8} {f('of_wrapper', '.2f'):>10} {f('cpu_ratio', '.2f'):>9} "
             f"{f('us_per_op', '.1f'):>7} {f('ops', 'd'):>6} {f('evictions', 'd'):>6} {f('remats', 'd'):>6} "
-            f"{f('peak_bytes', '.1f', 2**-20):>9} {f('minor_faults', '.0f'):>7}  {row['status']}{target}")
+            f"{f('peak_bytes', '.1f', 2**-20):>9} {f('minor_faults', '.0f'):>7} {f('full_gc_ms', '.1f'):>6}  {row['status']}{target}")
 
 
 def _r(v: Optional[float], scale: float) -> Optional[float]:
@@ -641,6 +655,9 @@ def main() -> None:
     parser.add_argument("--small-repeats", type=int, default=15)
     parser.add_argument("--gc-runs", type=int, default=150,
                         help="back-to-back runs per small-op workload over which full collections are amortized")
+    parser.add_argument("--gc-steps", type=int, default=20,
+                        help="back-to-back steps per model, mode and process over which full collections are "
+                             "amortized (models section; 0: not measured)")
     parser.add_argument("--time-limit", type=float, default=30.0,
                         help="seconds one run may take before it is interrupted and recorded as a timeout (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
