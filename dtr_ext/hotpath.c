@@ -46,7 +46,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* What ``bind`` supplies. */
 
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref;
-static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_release, *O_fit, *O_mws,
+static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH;
@@ -96,7 +96,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_req
     *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
-    *A_add_view, *A_resolve;
+    *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -261,6 +261,130 @@ static int scan(PyObject *items, PyObject *template, PyObject *values, PyObject 
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* lineage.release and lineage._lose_output */
+
+static int drop_values(PyObject *rt, PyObject *s);
+
+/* lineage._lose_output(rt, rec, work): one of ``rec``'s output storages no longer names it. */
+static int lose_output(PyObject *rt, PyObject *rec, PyObject *work) {
+    if (add_slot(rec, K_off[K_live], -1) < 0) return -1;
+    long long live = PyLong_AsLongLong(SLOT(rec, K_off[K_live]));
+    if (live == -1 && PyErr_Occurred()) return -1;
+    if (live) return 0;
+    PyObject *ins = PySequence_Fast(SLOT(rec, K_off[K_use_storages]), "use_storages");
+    if (ins == NULL) return -1;
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(ins); j++) {
+        PyObject *i = PySequence_Fast_GET_ITEM(ins, j);
+        if (add_slot(i, S_off[S_uses], -1) < 0) goto fail;
+        long long uses = PyLong_AsLongLong(SLOT(i, S_off[S_uses]));
+        long long refs = PyLong_AsLongLong(SLOT(i, S_off[S_refs]));
+        long long locks = PyLong_AsLongLong(SLOT(i, S_off[S_locks]));
+        if (PyErr_Occurred()) goto fail;
+        if (uses == 0 && refs == 0 && !locks && PyList_Append(work, i) < 0) goto fail;
+    }
+    Py_DECREF(ins);
+    set_slot(rec, K_off[K_use_storages], EMPTY);
+    PyObject *executor = PyObject_GetAttr(rt, A_executor);
+    PyObject *r = executor ? PyObject_CallMethodOneArg(executor, A_forget, rec) : NULL;
+    Py_XDECREF(executor);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+fail:
+    Py_DECREF(ins);
+    return -1;
+}
+
+/* The body of lineage.release's loop for one storage ``s`` that may be released. */
+static int release_one(PyObject *rt, PyObject *s, PyObject *work) {
+    PyObject *state = SLOT(s, S_off[S_state]);
+    long long refs = PyLong_AsLongLong(SLOT(s, S_off[S_refs]));
+    long long uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
+    long long locks = PyLong_AsLongLong(SLOT(s, S_off[S_locks]));
+    if (PyErr_Occurred()) return -1;
+    if (state == O_RELEASED || refs || uses || locks) return 0;
+    if (state == O_RESIDENT) {
+        PyObject *resident = PyObject_GetAttr(rt, A_resident);
+        if (resident == NULL) return -1;
+        int r = PyObject_DelItem(resident, s);
+        Py_DECREF(resident);
+        long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
+        if (r < 0 || (nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
+    } else if (state == O_SWAPPED) {
+        PyObject *host = PyObject_GetAttr(rt, A_host);
+        PyObject *r = host ? PyObject_CallMethodOneArg(host, A_leave, s) : NULL;
+        Py_XDECREF(host);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    set_slot(s, S_off[S_state], O_RELEASED);
+    /* Runtime._leave_graph(s) */
+    PyObject *all = PyObject_GetAttr(rt, A__all);
+    if (all == NULL) return -1;
+    int r = PyObject_DelItem(all, s);
+    Py_DECREF(all);
+    if (r < 0) return -1;
+    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    if (untrack == NULL) return -1;
+    if (untrack != Py_None && untrack_gc && !PyObject_GC_IsTracked(s)) PyObject_GC_Track(s);
+    Py_DECREF(untrack);
+    PyObject *rec = Py_NewRef(SLOT(s, S_off[S_parent]));
+    PyObject *hook = PyObject_GetAttr(rt, A__on_release); /* may read s.parent */
+    PyObject *done = hook ? PyObject_CallOneArg(hook, s) : NULL;
+    Py_XDECREF(hook);
+    /* Its parent lists it as an output: the cycle is broken also if the heuristic raised. */
+    set_slot(s, S_off[S_parent], Py_None);
+    if (done == NULL) {
+        Py_DECREF(rec);
+        return -1;
+    }
+    Py_DECREF(done);
+    if (drop_values(rt, s) < 0) {
+        Py_DECREF(rec);
+        return -1;
+    }
+    set_slot(s, S_off[S_views], EMPTY);
+    if (rec != Py_None) {
+        PyObject *ins = PySequence_Fast(SLOT(rec, K_off[K_use_storages]), "use_storages");
+        if (ins == NULL) {
+            Py_DECREF(rec);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(ins); j++) {
+            PyObject *deps = SLOT(PySequence_Fast_GET_ITEM(ins, j), S_off[S_dependents]);
+            if (PyDict_Check(deps) && PyDict_GET_SIZE(deps) && PyDict_DelItem(deps, s) < 0) {
+                if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                    Py_DECREF(ins);
+                    Py_DECREF(rec);
+                    return -1;
+                }
+                PyErr_Clear();
+            }
+        }
+        Py_DECREF(ins);
+        r = lose_output(rt, rec, work);
+    }
+    Py_DECREF(rec);
+    return r < 0 ? -1 : 0;
+}
+
+/* lineage.release(rt, s): drop ``s`` from the graph, then whatever only it kept alive. */
+static int release(PyObject *rt, PyObject *s) {
+    PyObject *work = PyList_New(1);
+    if (work == NULL) return -1;
+    PyList_SET_ITEM(work, 0, Py_NewRef(s));
+    int r = 0;
+    Py_ssize_t n;
+    while (r == 0 && (n = PyList_GET_SIZE(work)) > 0) {
+        PyObject *t = Py_NewRef(PyList_GET_ITEM(work, n - 1));
+        r = PyList_SetSlice(work, n - 1, n, NULL);
+        if (r == 0) r = release_one(rt, t, work);
+        Py_DECREF(t);
+    }
+    Py_DECREF(work);
+    return r;
+}
+
 /* Runtime.unlock: -1 if a release raised. */
 
 static int unlock(PyObject *rt, PyObject *inputs) {
@@ -272,11 +396,8 @@ static int unlock(PyObject *rt, PyObject *inputs) {
         long long refs = PyLong_AsLongLong(SLOT(s, S_off[S_refs]));
         long long uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
         if (PyErr_Occurred()) return -1;
-        if (locks == 0 && refs == 0 && uses == 0 && SLOT(s, S_off[S_state]) != O_RELEASED) {
-            PyObject *r = PyObject_CallFunctionObjArgs(O_release, rt, s, NULL);
-            if (r == NULL) return -1;
-            Py_DECREF(r);
-        }
+        if (locks == 0 && refs == 0 && uses == 0 && SLOT(s, S_off[S_state]) != O_RELEASED && release(rt, s) < 0)
+            return -1;
     }
     return 0;
 }
@@ -347,12 +468,7 @@ static int unreferenced(PyObject *rt, PyObject *s) {
     long long uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
     if (PyErr_Occurred()) return -1;
     if (locks) return 0;
-    if (uses == 0) {
-        PyObject *r = PyObject_CallFunctionObjArgs(O_release, rt, s, NULL);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-        return 0;
-    }
+    if (uses == 0) return release(rt, s);
     if (SLOT(s, S_off[S_state]) != O_RESIDENT) return 0;
     PyObject *parent = SLOT(s, S_off[S_parent]);
     int recomputable = 0;
@@ -1373,7 +1489,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(EVICTED);
     GET(VIEW);
     GET(DETACH);
-    GET(release);
+    GET(SWAPPED);
     GET(fit);
     GET(mws);
     GET(is_grad_enabled);
@@ -1455,7 +1571,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_summing); INTERN(_sum); INTERN(_execute); INTERN(_route); INTERN(arriving); INTERN(pop);
     INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
-    INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve);
+    INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
+    INTERN(_on_release); INTERN(host); INTERN(leave);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -25,10 +25,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from dtr.core import collector
-from dtr.core.lineage import release
 from dtr.core.outputs import fit
 from dtr.core.runtime import Ref
-from dtr.core.storage import EVICTED, RELEASED, RESIDENT, Cell, Storage
+from dtr.core.storage import EVICTED, RELEASED, RESIDENT, SWAPPED, Cell, Storage
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
@@ -50,8 +49,8 @@ def _config() -> dict:
     return {
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
-        "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED,
-        "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "release": release, "fit": fit,
+        "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
+        "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
         "perf_counter": perf_counter, "estimate_seconds": estimate_seconds,
         "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
