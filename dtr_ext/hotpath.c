@@ -45,8 +45,8 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
 
-static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref;
-static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws,
+static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode;
+static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH;
@@ -85,6 +85,9 @@ static const char *K_NAMES[K_N] = {
     "func", "args", "kwargs", "slots", "rng", "grad", "versions", "derive", "fresh", "consts",
     "clone_args"};
 static Py_ssize_t K_off[K_N];
+enum { U_parent, U_cost, U_size, U_N };
+static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
+static Py_ssize_t U_off[U_N];
 
 /* Interned attribute names. */
 static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_requires_grad,
@@ -435,6 +438,119 @@ static int drop_values(PyObject *rt, PyObject *s) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* h_DTR^eq's on_evict (heuristics.DTREq.on_evict, over unionfind.py's find, union, attach). */
+
+/* unionfind.find: the root of ``node``'s set (borrowed: ``node``, which the caller holds,
+ * points at it once the path is compressed). */
+static PyObject *uf_find(PyObject *node) {
+    PyObject *root = node, *p;
+    while ((p = SLOT(root, U_off[U_parent])) != Py_None) root = p;
+    Py_INCREF(node);
+    while (node != root) {
+        PyObject *nxt = Py_NewRef(SLOT(node, U_off[U_parent]));
+        set_slot(node, U_off[U_parent], root);
+        Py_DECREF(node);
+        node = nxt;
+    }
+    Py_DECREF(node);
+    return root;
+}
+
+/* ``o.<slot> = o.<slot> + v`` with Python's addition (ints stay ints, floats add as floats). */
+static int add_to_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
+    return steal_slot(o, off, PyNumber_Add(SLOT(o, off), v));
+}
+
+/* unionfind.union: the root of the merged set (borrowed, as uf_find's), or NULL. */
+static PyObject *uf_union(PyObject *a, PyObject *b) {
+    PyObject *ra = uf_find(a), *rb = uf_find(b);
+    if (ra == rb) return ra;
+    int smaller = PyObject_RichCompareBool(SLOT(ra, U_off[U_size]), SLOT(rb, U_off[U_size]), Py_LT);
+    if (smaller < 0) return NULL;
+    if (smaller) {
+        PyObject *t = ra;
+        ra = rb;
+        rb = t;
+    }
+    set_slot(rb, U_off[U_parent], ra);
+    if (add_to_slot(ra, U_off[U_size], SLOT(rb, U_off[U_size])) < 0 ||
+        add_to_slot(ra, U_off[U_cost], SLOT(rb, U_off[U_cost])) < 0)
+        return NULL;
+    return ra;
+}
+
+/* Merge ``*node`` (NULL: none yet) with the set of neighbour ``n`` when it is evicted and in
+ * one; ``*node`` is a new reference. */
+static int merge_neighbour(PyObject **node, PyObject *n) {
+    PyObject *h = SLOT(n, S_off[S_hdata]);
+    if (SLOT(n, S_off[S_state]) != O_EVICTED || h == Py_None) return 0;
+    if (*node == NULL) {
+        *node = Py_NewRef(h);
+        return 0;
+    }
+    PyObject *root = uf_union(*node, h);
+    if (root == NULL) return -1;
+    Py_SETREF(*node, Py_NewRef(root));
+    return 0;
+}
+
+/* DTREq.on_evict(s) */
+static int dtreq_on_evict(PyObject *s) {
+    PyObject *node = NULL;
+    PyObject *parent = SLOT(s, S_off[S_parent]);
+    if (parent != Py_None) { /* s.deps() */
+        PyObject *deps = PySequence_Fast(SLOT(parent, K_off[K_use_storages]), "use_storages");
+        if (deps == NULL) return -1;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(deps); i++) {
+            if (merge_neighbour(&node, PySequence_Fast_GET_ITEM(deps, i)) < 0) {
+                Py_DECREF(deps);
+                Py_XDECREF(node);
+                return -1;
+            }
+        }
+        Py_DECREF(deps);
+    }
+    PyObject *dependents = SLOT(s, S_off[S_dependents]);
+    if (PyDict_Check(dependents)) {
+        Py_ssize_t pos = 0;
+        PyObject *n, *unused;
+        while (PyDict_Next(dependents, &pos, &n, &unused)) {
+            if (merge_neighbour(&node, n) < 0) {
+                Py_XDECREF(node);
+                return -1;
+            }
+        }
+    }
+    PyObject *cost = SLOT(s, S_off[S_cost]);
+    if (node == NULL) { /* UFNode(s.cost) */
+        node = T_UFNode->tp_alloc(T_UFNode, 0);
+        PyObject *one = node ? PyLong_FromLong(1) : NULL;
+        if (one == NULL) {
+            Py_XDECREF(node);
+            return -1;
+        }
+        set_slot(node, U_off[U_parent], Py_None);
+        set_slot(node, U_off[U_cost], cost);
+        steal_slot(node, U_off[U_size], one);
+        if (untrack_gc) gc_untrack(node);
+    } else { /* attach(node, s.cost) */
+        PyObject *root = uf_find(node);
+        PyObject *one = PyLong_FromLong(1);
+        int r = one ? add_to_slot(root, U_off[U_cost], cost) : -1;
+        if (r == 0) r = add_to_slot(root, U_off[U_size], one);
+        Py_XDECREF(one);
+        Py_SETREF(node, Py_NewRef(root));
+        if (r < 0) {
+            Py_DECREF(node);
+            return -1;
+        }
+    }
+    set_slot(s, S_off[S_hdata], node);
+    Py_DECREF(node);
+    return 0;
+}
+
 /* Runtime._evict(s) */
 static int evict(PyObject *rt, PyObject *s) {
     if (SLOT(s, S_off[S_slot]) != Py_None) { /* it has a row in the candidate index */
@@ -454,8 +570,13 @@ static int evict(PyObject *rt, PyObject *s) {
     set_slot(s, S_off[S_state], O_EVICTED);
     if (drop_values(rt, s) < 0) return -1;
     PyObject *hook = PyObject_GetAttr(rt, A__on_evict);
-    PyObject *done = hook ? PyObject_CallOneArg(hook, s) : NULL;
-    Py_XDECREF(hook);
+    if (hook == NULL) return -1;
+    if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_evict) {
+        Py_DECREF(hook);
+        return dtreq_on_evict(s);
+    }
+    PyObject *done = PyObject_CallOneArg(hook, s);
+    Py_DECREF(hook);
     if (done == NULL) return -1;
     Py_DECREF(done);
     return 0;
@@ -1483,6 +1604,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(Cell);
     GET_TYPE(Call);
     GET_TYPE(Ref);
+    GET_TYPE(UFNode);
+    GET(dtreq_on_evict);
     GET(strided);
     GET(RESIDENT);
     GET(RELEASED);
@@ -1520,11 +1643,11 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
-        same_fields(T_Call, K_NAMES, K_N, K_off) < 0)
+        same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0)
         return NULL;
     if (T_Storage->tp_alloc != PyType_GenericAlloc || T_Call->tp_alloc != PyType_GenericAlloc ||
-        T_Cell->tp_alloc != PyType_GenericAlloc) {
-        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage, Cell and Call must be plain classes");
+        T_Cell->tp_alloc != PyType_GenericAlloc || T_UFNode->tp_alloc != PyType_GenericAlloc) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage, Cell, Call and UFNode must be plain classes");
         return NULL;
     }
     bound = 1;

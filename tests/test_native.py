@@ -18,8 +18,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 import dtr
-from dtr.core import Storage
+from dtr.core import State, Storage
 from dtr.core.runtime import Runtime
+from dtr.core.unionfind import UFNode, find
 from dtr.eager import native
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call
@@ -56,20 +57,24 @@ def _python_path():
 
 @contextlib.contextmanager
 def _evictions():
-    """Every eviction of runtimes made inside, in order (for the budget or eager: each tells
-    the heuristic), with the bytes charged after it."""
+    """What runtimes made inside have evicted after each op (for the budget or eager), with the
+    bytes charged then. Observed after each op (``Runtime.on_op``), not by wrapping the
+    heuristic's hooks: the native path runs h_DTR^eq's ``on_evict`` itself only when it is
+    the heuristic's own."""
     evicted = []
     init = Runtime.__init__
 
     def logged(rt, *args, **kwargs):
         init(rt, *args, **kwargs)
-        on_evict = rt._on_evict
+        before = set()
 
-        def told(s):
-            on_evict(s)
-            evicted.append((s.sid, s.nbytes, s.parent and s.parent.name, rt.memory))
+        def after_op(rt):
+            now = {s.sid for s in rt.storages() if s.state is State.EVICTED}
+            evicted.append((rt.clock, sorted(now - before), sorted(before - now), rt.memory))
+            before.clear()
+            before.update(now)
 
-        rt._on_evict = told
+        rt.on_op = after_op
 
     Runtime.__init__ = logged
     try:
@@ -115,6 +120,15 @@ def _record(rec):
     return fields
 
 
+def _set_of(s: Storage):
+    """The cost and size of the heuristic's union-find set that holds ``s`` (h_DTR^eq), or its
+    heuristic data when it is none."""
+    if type(s.hdata) is not UFNode:
+        return s.hdata
+    root = find(s.hdata)
+    return root.cost, root.size, gc.is_tracked(root)
+
+
 def _graph(rt: Runtime):
     """Every storage of the runtime with its fields and its parent record's."""
     return [
@@ -122,7 +136,7 @@ def _graph(rt: Runtime):
             s.sid, s.nbytes, s.state, s.locks, s.refs, s.uses, s.last_access, s.cost, s.index,
             s.value is not None, len(s.views), [t.sid for t in s.dependents],
             s.forward and s.forward.sid, s.slot, s.protected, s.backward, gc.is_tracked(s),
-            gc.is_tracked(s.dependents), _record(s.parent),
+            gc.is_tracked(s.dependents), _record(s.parent), _set_of(s),
         )
         for s in rt.storages()
     ] + [rt.memory, rt.peak, rt.clock, rt.work, rt.next_sid, len(rt.live_refs())]

@@ -25,7 +25,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from dtr.core import collector
+from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
+from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
 from dtr.core.storage import EVICTED, RELEASED, RESIDENT, SWAPPED, Cell, Storage
 from dtr.eager.cost import estimate_seconds
@@ -49,6 +51,7 @@ def _config() -> dict:
     return {
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
+        "UFNode": UFNode, "dtreq_on_evict": DTREq.on_evict,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
