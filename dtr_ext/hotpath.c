@@ -45,7 +45,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
 
-static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode;
+static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode, *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
@@ -571,7 +571,9 @@ static int evict(PyObject *rt, PyObject *s) {
     if (drop_values(rt, s) < 0) return -1;
     PyObject *hook = PyObject_GetAttr(rt, A__on_evict);
     if (hook == NULL) return -1;
-    if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_evict) {
+    /* Only DTREq itself: a subclass may keep other objects in ``hdata``. */
+    if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_evict &&
+        Py_TYPE(PyMethod_GET_SELF(hook)) == T_DTREq) {
         Py_DECREF(hook);
         return dtreq_on_evict(s);
     }
@@ -1605,6 +1607,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(Call);
     GET_TYPE(Ref);
     GET_TYPE(UFNode);
+    GET_TYPE(DTREq);
     GET(dtreq_on_evict);
     GET(strided);
     GET(RESIDENT);

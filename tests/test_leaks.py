@@ -276,6 +276,45 @@ def test_records_of_a_block_whose_exit_failed_are_freed(storages_made, monkeypat
     assert not _alive(storages_made)
 
 
+@pytest.mark.parametrize("failure", ["replay", "release"])
+def test_a_block_whose_exit_failed_with_views_is_freed(failure, monkeypatch):
+    """Views' cells and records are untracked too (Note [Untracked records]), and a failed
+    end keeps the runtime's tables: the cells the runtime still holds (live wrappers', a
+    death not yet applied) and the view chains its records read go back to the collector,
+    which frees the runtime once the program drops its tensors."""
+
+    class Flaky(LRU):
+        armed = False
+
+        def on_release(self, s):
+            if Flaky.armed:
+                Flaky.armed = False
+                raise RuntimeError("exit failed")
+            super().on_release(s)
+
+    w = torch.randn(64, 64) / 8
+    held = [torch.randn(32, 64)]
+    with pytest.raises(RuntimeError, match="exit failed"):
+        with dtr.budget(6 * 32 * 64 * 4, heuristic=Flaky()) as engine:
+            for _ in range(20):
+                held.append(torch.tanh(held[-1] @ w).t().t())  # views, read by the next op
+            runtime = weakref.ref(engine.runtime)
+            if failure == "replay":
+
+                def fail(self, rec):
+                    raise RuntimeError("exit failed")
+
+                monkeypatch.setattr(Driver, "replay", fail)
+            else:
+                dropped = held[5].t()  # a view cell whose death the failing drain leaves queued
+                del held[3:6], dropped
+                Flaky.armed = True
+    assert engine.stats().evictions > 0
+    del held, engine
+    gc.collect()
+    assert runtime() is None
+
+
 def test_a_heuristic_that_raises_on_release_leaks_nothing(storages_made):
     """A storage leaves the graph (and goes back to the collector) before the heuristic hears
     of its release; if the heuristic raises there, its link to its (untracked) record must

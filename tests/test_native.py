@@ -1,6 +1,7 @@
 """The native path (``dtr_ext._hotpath``, eager/native.py) against the Python path it mirrors:
 the same records and storages, field by field, and the same decisions (evictions in the same
-order, the same replays, the same gradients bit for bit) on zoo models under budgets that evict
+order, and after each op with the heuristic's hooks left as they are; the same replays, the
+same gradients bit for bit) on zoo models under budgets that evict
 and on random programs at random budgets; nothing changed where it hands an op back to the
 Python path; and a record class changed without hotpath.c turning the native path off instead
 of leaving a field unset (and, in a checkout where it is built, not off)."""
@@ -56,31 +57,56 @@ def _python_path():
 
 
 @contextlib.contextmanager
-def _evictions():
-    """What runtimes made inside have evicted after each op (for the budget or eager), with the
-    bytes charged then. Observed after each op (``Runtime.on_op``), not by wrapping the
-    heuristic's hooks: the native path runs h_DTR^eq's ``on_evict`` itself only when it is
-    the heuristic's own."""
+def _evictions(observed: bool):
+    """Every eviction of the blocks run inside (for the budget or eager), with the bytes
+    charged then. ``observed=False``: each as it happens, in order, by wrapping the runtime's
+    ``_on_evict`` (which makes the native path call h_DTR^eq's hook in Python too).
+    ``observed=True``: what is evicted after each op (``Runtime.on_op``), leaving the hooks
+    as they are, so that the native path runs h_DTR^eq's union-find merge itself."""
     evicted = []
-    init = Runtime.__init__
+    if not observed:
+        init = Runtime.__init__
 
-    def logged(rt, *args, **kwargs):
-        init(rt, *args, **kwargs)
+        def logged(rt, *args, **kwargs):
+            init(rt, *args, **kwargs)
+            on_evict = rt._on_evict
+
+            def told(s):
+                on_evict(s)
+                evicted.append((s.sid, s.nbytes, s.parent and s.parent.name, rt.memory))
+
+            rt._on_evict = told
+
+        Runtime.__init__ = logged
+        try:
+            yield evicted
+        finally:
+            Runtime.__init__ = init
+        return
+    enter = dtr.Engine.__enter__
+
+    def entered(engine):
+        out = enter(engine)
+        rt = engine.runtime
+        watching = rt.on_op  # set by the block's start (a timeline recorder, or None)
         before = set()
 
         def after_op(rt):
+            if watching is not None:
+                watching(rt)
             now = {s.sid for s in rt.storages() if s.state is State.EVICTED}
             evicted.append((rt.clock, sorted(now - before), sorted(before - now), rt.memory))
             before.clear()
             before.update(now)
 
         rt.on_op = after_op
+        return out
 
-    Runtime.__init__ = logged
+    dtr.Engine.__enter__ = entered
     try:
         yield evicted
     finally:
-        Runtime.__init__ = init
+        dtr.Engine.__enter__ = enter
 
 
 def _tensor(t):
@@ -142,9 +168,9 @@ def _graph(rt: Runtime):
     ] + [rt.memory, rt.peak, rt.clock, rt.work, rt.next_sid, len(rt.live_refs())]
 
 
-def _step(name, fraction, python):
+def _step(name, fraction, python, observed):
     """One step of zoo model ``name`` at ``fraction`` of its peak (estimated costs): its result,
-    the graph after the forward pass, and every eviction in order."""
+    the graph after the forward pass, and its evictions (``_evictions``)."""
     w = zoo.build(name, "tiny")
     graphs = []
 
@@ -156,7 +182,7 @@ def _step(name, fraction, python):
     with _python_path() if python else contextlib.nullcontext():
         unlimited = run_step(w, fresh_model(w), None, cost="estimate")
         engine = dtr.budget(budget_at(unlimited.stats, fraction), cost="estimate")
-        with _evictions() as evicted:
+        with _evictions(observed) as evicted:
             result = run_step(dataclasses.replace(w, loss_fn=loss_fn), fresh_model(w), engine)
     return result, graphs[0], evicted
 
@@ -165,15 +191,17 @@ def _step(name, fraction, python):
     ("mlp", 0.5), ("transformer", 0.4), ("lstmcell", 0.5), ("gru_cell", 0.5), ("treelstm", 0.7),
     ("resnet", 0.5),
 ])
+@pytest.mark.parametrize("observed", [False, True])
 @needs_native
-def test_both_paths_record_and_evict_alike(name, fraction):
+def test_both_paths_record_and_evict_alike(name, fraction, observed):
     before = native.registered()
-    result, graph, evicted = _step(name, fraction, python=False)
+    result, graph, evicted = _step(name, fraction, python=False, observed=observed)
     handled = native.registered()
     assert handled - before > result.stats.ops / 4  # most forward ops are simple
-    python, python_graph, python_evicted = _step(name, fraction, python=True)
+    python, python_graph, python_evicted = _step(name, fraction, python=True, observed=observed)
     assert native.registered() == handled  # the Python run did not use the native path
     assert graph == python_graph
+    assert any(e[1] for e in evicted) if observed else evicted  # the log saw evictions
     assert evicted == python_evicted
     assert result.stats.evictions > 0 and result.stats.eager_evictions > 0
     assert result.stats == python.stats
@@ -181,9 +209,9 @@ def test_both_paths_record_and_evict_alike(name, fraction):
     assert_same(result, run_step(zoo.build(name, "tiny"), fresh_model(zoo.build(name, "tiny")), "eager"))
 
 
-def _run(program, seed, limit, python):
+def _run(program, seed, limit, python, observed):
     """``run_dtr`` on one path: its outcome (None if out of budget), evictions and error."""
-    with _python_path() if python else contextlib.nullcontext(), _evictions() as evicted:
+    with _python_path() if python else contextlib.nullcontext(), _evictions(observed) as evicted:
         try:
             return run_dtr(program, seed, limit), evicted, None
         except dtr.OutOfBudgetError as e:
@@ -198,14 +226,15 @@ def test_random_programs_take_the_same_decisions_on_both_paths(program, seed, fr
     assume(eager is not None)
     with _python_path():
         limit = budget_at(run_dtr(program, seed, None).stats, fraction)
-    got, evicted, error = _run(program, seed, limit, python=False)
-    want, want_evicted, want_error = _run(program, seed, limit, python=True)
-    assert evicted == want_evicted
-    assert error == want_error
-    if got is not None:
-        assert got.stats == want.stats
-        assert_as_eager(got, eager)
-        assert_as_eager(want, eager)
+    for observed in (False, True):
+        got, evicted, error = _run(program, seed, limit, python=False, observed=observed)
+        want, want_evicted, want_error = _run(program, seed, limit, python=True, observed=observed)
+        assert evicted == want_evicted
+        assert error == want_error
+        if got is not None:
+            assert got.stats == want.stats
+            assert_as_eager(got, eager)
+            assert_as_eager(want, eager)
 
 
 @needs_native

@@ -29,8 +29,10 @@ still holds it may hold it in a cycle of their own. A view's cell, the record th
 (with its input and output lists) and a storage's list of weak references to its views are
 untracked as they are made (``outputs.new_view``, ``wire``, ``translate``, ``add_view``): a
 cycle through a view cell also passes through a storage's ``parent`` link (the cell is the
-input of a record whose output's dependents lead back to it), and ``give_back`` returns the
-views of the storages left at ``close``. Views are most of what the collector still saw in
+input of a record whose output's dependents lead back to it), and ``give_back`` returns at
+``close`` the views of the storages left, the view chains their records read, and the cells
+of live wrappers and of deaths not yet applied: a failed ``close`` keeps the runtime's tables,
+and a cycle through the runtime and one of them would keep it alive for good. Views are most of what the collector still saw in
 loops whose cells split their gates into views and write them in place (the LSTMCell loop's
 ``gc ms`` in ``bench_runtime.py --sections models``, README). Wrappers
 and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and when its wrapper
@@ -73,14 +75,16 @@ untrack = _EXT.untrack if _EXT is not None else _untrack_nothing
 track = _EXT.track if _EXT is not None else _ignore
 
 
-def give_back(storages: Iterable[Any]) -> None:
-    """Return ``storages`` (those still in a runtime's graph at its ``close``) and the
-    containers of their records to the collector (Note [Untracked records])."""
+def give_back(storages: Iterable[Any], cells: Iterable[Any] = ()) -> None:
+    """Return to the collector ``storages`` (those still in a runtime's graph at its ``close``)
+    with the containers of their records and their views, and the view ``cells`` the runtime
+    still holds (live wrappers', deaths not yet applied), with the records each is derived by
+    (Note [Untracked records]). After a failed ``close`` the runtime keeps them all, and a
+    cycle through any of them would otherwise keep the runtime alive."""
     for s in storages:
         track(s)
-        rec = s.parent
-        if rec is not None:
-            track(rec, rec.inputs, rec.outputs, rec.use_storages)
+        if s.parent is not None:
+            _give_back_record(s.parent)
         if s.dependents:
             track(s.dependents)
         if s.views:
@@ -88,7 +92,26 @@ def give_back(storages: Iterable[Any]) -> None:
             for w in s.views:
                 c = w()
                 if c is not None:
-                    track(c)
-                    rec = c.parent
-                    if rec is not None:
-                        track(rec, rec.inputs, rec.outputs)
+                    _give_back_view(c)
+    for c in cells:
+        _give_back_view(c)
+
+
+def _give_back_record(rec: Any) -> None:
+    track(rec, rec.inputs, rec.outputs, rec.use_storages)
+    for c in rec.inputs:
+        _give_back_view(c)
+
+
+def _give_back_view(c: Any) -> None:
+    """``c`` and the records up to its storage, when it is a view cell (a storage is its own
+    root cell)."""
+    while c.storage is not c:
+        track(c)
+        rec = c.parent
+        if rec is None:
+            return
+        track(rec, rec.inputs, rec.outputs)
+        if not rec.inputs:
+            return
+        c = rec.inputs[0]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from itertools import chain
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from dtr.core import collector, invariants, lineage
@@ -619,7 +620,7 @@ class Runtime:
             if self.host is not None:
                 self.host.land()
             if self._untrack is not None:
-                collector.give_back(self._all)
+                collector.give_back(self._all, chain((r.cell for r in self._refs.values()), self._dead))
         self._refs.clear()
         self.resident.clear()
         self._all.clear()

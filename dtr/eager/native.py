@@ -51,7 +51,7 @@ def _config() -> dict:
     return {
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
-        "UFNode": UFNode, "dtreq_on_evict": DTREq.on_evict,
+        "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
