@@ -13,7 +13,8 @@ ops read.
   not be replayed afterwards) and its ops run untracked on the stepping thread, as do a
   library's own gradient and parameter management (``untracked``; FSDP2).
 
-``Gradients`` is mixed into ``Driver``, whose ``rt``, ``_run`` and ``to_plain`` it uses;
+``Gradients`` is mixed into ``Driver``, whose ``rt``, ``_run``, ``_scan``, ``to_plain``,
+``estimate``, ``count_constants`` and ``op_seconds`` it uses;
 ``Driver.dispatch`` keeps ``node`` and ``node_from`` up to date.
 """
 
@@ -134,7 +135,8 @@ class Gradients:
 
     def _sum(self, facts, args) -> Any:
         """``old + new`` for autograd: as ``old.add_(new)`` (a new wrapper over the new version
-        of ``old``'s storage) where nothing else can see the write, out of place otherwise;
+        of ``old``'s storage, or over ``old``'s cell when that storage is already a permanent
+        sum) where nothing else can see the write, out of place otherwise;
         made permanent when it is a parameter's gradient or extends a chain of sums."""
         old = args[0]
         rt = self.rt
