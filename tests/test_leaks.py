@@ -276,6 +276,20 @@ def test_records_of_a_block_whose_exit_failed_are_freed(storages_made, monkeypat
     assert not _alive(storages_made)
 
 
+class ReleaseFails(LRU):
+    """LRU whose ``on_release`` raises ``RuntimeError(message)`` once, after ``armed`` is set."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.armed = False
+
+    def on_release(self, s):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError(self.message)
+        super().on_release(s)
+
+
 @pytest.mark.parametrize("failure", ["replay", "release"])
 def test_a_block_whose_exit_failed_with_views_is_freed(failure, monkeypatch):
     """Views' cells and records are untracked too (Note [Untracked records]), and a failed
@@ -283,19 +297,11 @@ def test_a_block_whose_exit_failed_with_views_is_freed(failure, monkeypatch):
     death not yet applied) and the view chains its records read go back to the collector,
     which frees the runtime once the program drops its tensors."""
 
-    class Flaky(LRU):
-        armed = False
-
-        def on_release(self, s):
-            if Flaky.armed:
-                Flaky.armed = False
-                raise RuntimeError("exit failed")
-            super().on_release(s)
-
+    heuristic = ReleaseFails("exit failed")
     w = torch.randn(64, 64) / 8
     held = [torch.randn(32, 64)]
     with pytest.raises(RuntimeError, match="exit failed"):
-        with dtr.budget(6 * 32 * 64 * 4, heuristic=Flaky()) as engine:
+        with dtr.budget(6 * 32 * 64 * 4, heuristic=heuristic) as engine:
             for _ in range(20):
                 held.append(torch.tanh(held[-1] @ w).t().t())  # views, read by the next op
             runtime = weakref.ref(engine.runtime)
@@ -308,7 +314,7 @@ def test_a_block_whose_exit_failed_with_views_is_freed(failure, monkeypatch):
             else:
                 dropped = held[5].t()  # a view cell whose death the failing drain leaves queued
                 del held[3:6], dropped
-                Flaky.armed = True
+                heuristic.armed = True
     assert engine.stats().evictions > 0
     del held, engine
     gc.collect()
@@ -320,23 +326,15 @@ def test_a_heuristic_that_raises_on_release_leaks_nothing(storages_made):
     of its release; if the heuristic raises there, its link to its (untracked) record must
     still be cut, or the record, the storage and the runtime stay alive for good."""
 
-    class Flaky(LRU):
-        armed = False
-
-        def on_release(self, s):
-            if Flaky.armed:
-                Flaky.armed = False
-                raise RuntimeError("on_release failed")
-            super().on_release(s)
-
+    heuristic = ReleaseFails("on_release failed")
     x = torch.randn(64, 64)
     with pytest.raises(RuntimeError, match="on_release failed"):
-        with dtr.budget(None, heuristic=Flaky()):
+        with dtr.budget(None, heuristic=heuristic):
             ys = [x]
             for _ in range(10):
                 ys.append(torch.tanh(ys[-1] * 2))
             keep = ys[-1]
             del ys
-            Flaky.armed = True  # the block's end releases the chain's lineage
+            heuristic.armed = True  # the block's end releases the chain's lineage
     del keep
     assert not _alive(storages_made)

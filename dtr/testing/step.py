@@ -103,6 +103,10 @@ def training_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Eng
     the level the step's allocations are counted from."""
     model.zero_grad()
     torch.manual_seed(1)
+    _forward_backward(w, model, engine)
+
+
+def _forward_backward(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine"]) -> None:
     if engine is None:
         w.loss_fn(model, w.batch).backward()
     else:
@@ -116,11 +120,7 @@ def timed_step(w: Workload, model: torch.nn.Module, engine: Optional["dtr.Engine
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     t0 = time.perf_counter()
-    if engine is None:
-        w.loss_fn(model, w.batch).backward()
-    else:
-        with engine:
-            w.loss_fn(model, w.batch).backward()
+    _forward_backward(w, model, engine)
     return time.perf_counter() - t0
 
 
