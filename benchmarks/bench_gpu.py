@@ -12,7 +12,7 @@ Sections (``--sections``):
   (time until ``backward()`` returns, before the synchronization, minus eager's, per op).
 - ``budgets``: ``dtr.budget(budget_at(stats, f))`` (the step's gradients plus ``f`` of the rest
   of the unlimited peak) for each fraction, down to the first that cannot run; per point the
-  median step, evictions, replays, and the true peak (``torch.cuda.max_memory_allocated`` of
+  median step and its host time (as in ``overhead``), evictions, replays, and the true peak (``torch.cuda.max_memory_allocated`` of
   the step, less what was allocated before it) next to the budget, with the caching
   allocator's ``memory_reserved`` peak beside it.
 - ``checkpoint``: Hugging Face's ``gradient_checkpointing_enable()`` (GPT-2) and
@@ -219,22 +219,22 @@ def unlimited_stats(case):
 def section_budgets(case, device, args):
     stats = unlimited_stats(case)
     repeat(case, device, 1)
-    eager, _ = repeat(case, device, args.repeats)
+    eager, eager_host = repeat(case, device, args.repeats)
     eager_peak, _ = peak_of(case, device)
     for fraction in args.fractions:
         budget = budget_at(stats, fraction)
         row = dict(section="budgets", fraction=fraction, budget=budget, unlimited_peak=stats.peak_resident_bytes,
-                   gradient_bytes=stats.gradient_bytes, eager_s=eager, eager_true_peak=eager_peak,
+                   gradient_bytes=stats.gradient_bytes, eager_s=eager, eager_host_s=eager_host, eager_true_peak=eager_peak,
                    of_eager_peak=budget / eager_peak if eager_peak else None)
         engine = dtr.budget(budget)
         try:
             case.step(engine)  # the engine learns its ops' output sizes (Note [Room before an op])
             before = engine.stats()
             row["true_peak"], row["reserved_peak"] = peak_of(case, device, engine)
-            t, _ = repeat(case, device, args.repeats, engine)
+            t, host = repeat(case, device, args.repeats, engine)
             after = engine.stats()
             steps = args.repeats + 1  # the measured step and the timed ones
-            row.update(status="ok", dtr_s=t, ratio=t / eager, engine_peak=after.peak_resident_bytes,
+            row.update(status="ok", dtr_s=t, dtr_host_s=host, ratio=t / eager, engine_peak=after.peak_resident_bytes,
                        evictions=(after.evictions - before.evictions) / steps,
                        replays=(after.rematerializations - before.rematerializations) / steps)
         except dtr.OutOfBudgetError as e:
@@ -421,7 +421,8 @@ def describe(row):
         if row.get("true_peak") is not None:
             mem = (f"true peak {row['true_peak'] / MiB:8.1f} MiB (budget {row['budget'] / MiB:8.1f}, "
                    f"over {(row['true_peak'] - row['budget']) / MiB:+6.1f}), reserved {row['reserved_peak'] / MiB:8.1f}")
-        return (f"fraction {row['fraction']:.2f}: {row['ratio']:.3f}x  evictions {row['evictions']}/step, "
+        return (f"fraction {row['fraction']:.2f}: {row['ratio']:.3f}x (host {row['dtr_host_s'] * 1e3:.1f} ms, "
+                f"eager's {row['eager_host_s'] * 1e3:.1f})  evictions {row['evictions']}/step, "
                 f"replays {row['replays']}/step  {mem}")
     if s == "checkpoint":
         out = f"checkpointing {row['checkpoint_ratio']:.3f}x at {(row['checkpoint_true_peak'] or 0) / MiB:.1f} MiB"
