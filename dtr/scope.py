@@ -115,7 +115,9 @@ class Engine:
         self._ops = 0
         self._peak = 0
         self._constant_bytes = 0
-        self._largest_output = 0  # carried from block to block (Note [Room before an op])
+        # Carried from block to block, and learned once a block has ended (Note [Room before an op]).
+        self._largest_output = 0
+        self._sizes_learned = False
         self._gradient_bytes = 0  # of the last block (Stats.gradient_bytes)
         self._constants_counted = 0  # total=True on CPU: what the last block counted
         self._plans_budget: Optional[int] = None  # see _absorb
@@ -197,7 +199,8 @@ class Engine:
         kind = crosscheck.CrosscheckedDriver if crosscheck.enabled() else Driver  # DTR_CROSSCHECK
         driver = kind(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
-            largest_output=self._largest_output, total=self._total, outside=outside,
+            largest_output=self._largest_output, size_every_op=not self._sizes_learned,
+            total=self._total, outside=outside,
             constants_before=self._constants_counted, max_recompute=self._max_recompute,
         )
         from torch.optim.optimizer import (
@@ -250,6 +253,7 @@ class Engine:
                     rt.events.raised(exc, rt)
                 self._holdings = holdings(rt)
             recomputed = driver.close()
+            self._sizes_learned = self._sizes_learned or exc_type is None
             if self._sampler is not None:
                 self._sampler.end(rt)
         finally:

@@ -90,7 +90,7 @@ static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
 
 /* Interned attribute names. */
-static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_hooks, *A_requires_grad,
+static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A_hooks, *A_requires_grad,
     *A_is_leaf, *A__base, *A_layout, *A_untyped_storage, *A_nbytes, *A_unlock,
     *A__register_one, *A_op_seconds, *A_clock, *A_work, *A__sid, *A__backward, *A_resident,
     *A__all, *A__untrack, *A__high, *A_on_op, *A__use_constants, *A_size, *A_is_contiguous,
@@ -1097,12 +1097,13 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         PyObject *budget = PyObject_GetAttr(rt, A_budget);
         if (budget == NULL) goto error;
         if (budget != Py_None && SLOT(facts, F_sized) == Py_True) {
-            long long b = PyLong_AsLongLong(budget), memory, largest;
+            long long b = PyLong_AsLongLong(budget), memory, largest, every;
             Py_DECREF(budget);
             if ((b == -1 && PyErr_Occurred()) || attr_ll(rt, A_memory, &memory) < 0 ||
-                attr_ll(driver, A_largest_output, &largest) < 0)
+                attr_ll(driver, A_largest_output, &largest) < 0 ||
+                attr_ll(driver, A_size_every_op, &every) < 0)
                 goto error;
-            if (memory + largest > b) goto fallback;
+            if (every || memory + largest > b) goto fallback;
         } else {
             Py_DECREF(budget);
         }
@@ -1685,7 +1686,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dtr_ext._hotpath",
     } while (0)
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(hooks);
+    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op); INTERN(hooks);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
     INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);

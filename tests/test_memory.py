@@ -182,6 +182,27 @@ def test_room_is_made_before_an_op_runs(name, tmp_path):
         assert after_only.peak_bytes > budget
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_room_is_made_before_an_op_in_an_engines_first_step(name):
+    """An engine that has not finished a block yet knows no largest output, so it sizes every
+    op before it runs (Note [Room before an op]): its first step stays within the budget by its
+    own count too, also where a step's largest output comes when the budget is full (the
+    LSTM's and the TreeLSTM's, in their backward). On a GPU, that first step is the one that
+    hits a cap on device memory; the true peak stays within budget + one op's working set."""
+    w = build(name)
+    model = fresh_model(w)
+    largest_op, random_ops, _ = _largest_working_set(w, model)
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    budget = budget_at(probe.stats(), 0.5)
+    engine = dtr.budget(budget, cost="estimate")
+    peak = _profiled_step(w, model, engine)
+    stats = engine.stats()
+    assert stats.evictions > 0
+    assert stats.peak_resident_bytes <= budget
+    assert peak <= budget + largest_op + random_ops * RNG_STATE_BYTES
+
+
 def test_a_budget_below_the_gradients_says_so():
     """The bench MLP's gradients (8 x 4 MiB) take most of its peak: half the peak cannot hold
     them, and the error says that gradients are what the budget must cover, instead of the step

@@ -94,6 +94,7 @@ class Driver(Views, Gradients, HostCopies):
         estimate: bool,
         runtime=Runtime,
         largest_output: int = 0,
+        size_every_op: bool = False,
         total: bool = False,
         outside: Optional[int] = None,
         constants_before: int = 0,
@@ -114,8 +115,10 @@ class Driver(Views, Gradients, HostCopies):
             outside=self.constants_before if counting else (outside or 0),
         )
         self.estimate = estimate
-        # The largest new storage an op of this engine made (Note [Room before an op]).
+        # The largest new storage an op of this engine made, and whether its ops are sized
+        # whatever the headroom: until a block has taught it that largest (Note [Room before an op]).
         self.largest_output = largest_output
+        self.size_every_op = size_every_op
         self.constants = Constants(self.rt, self._charge_constants)
         # Bound once, as the hot path calls them (one lookup per op); ``forget`` is the
         # runtime's ``Executor.forget``.
@@ -368,7 +371,7 @@ class Driver(Views, Gradients, HostCopies):
                 self.count_constants(consts, facts.name)
             budget = rt.budget
             sized = None
-            if budget is not None and rt.memory + self.largest_output > budget and facts.sized:
+            if budget is not None and facts.sized and (self.size_every_op or rt.memory + self.largest_output > budget):
                 sized = self._make_room(facts, func, vals, kw)
             state = rng.capture(vals, kw) if facts.random else None
             grad = torch.is_grad_enabled()
@@ -483,8 +486,12 @@ class Driver(Views, Gradients, HostCopies):
         least the largest output this engine has made, no op is expected to pass the budget and
         nothing is done (the hot path's cost when the budget is far away: one comparison).
         Otherwise the outputs' size is found first (output_size.py: the meta device, cached per
-        op and shapes) and the runtime evicts for it (``Runtime.reserve``). A first output larger
-        than any before it is not anticipated: the peak can still pass the budget by it once.
+        op and shapes) and the runtime evicts for it (``Runtime.reserve``). Until one of its
+        blocks has ended, an engine has no largest output to compare with, so it sizes every op
+        (``size_every_op``): a first step is where a cap on device memory is hit (GPT-2's 1.6
+        GiB of logits at batch 8, the first output above 96 MiB, passed an 8 GiB cap). Later an
+        output larger than any the engine has made (a longer sequence) is not anticipated: the
+        peak can pass the budget by it once.
         Returns the size's key, for the caller to correct it by what the op made.
         """
         key, nbytes = output_size.output_bytes(func, args, kwargs)
