@@ -20,7 +20,10 @@ Sections (``--sections``):
   with its budget at that measured peak.
 - ``batch``: the largest batch whose step fits a memory cap
   (``torch.cuda.set_per_process_memory_fraction``) for eager, checkpointing and dtr (whose
-  budget is the cap less ``--dtr-margin``, ``total=True``), and samples/s at each.
+  budget is the cap less ``--dtr-margin``, ``total=True``), and samples/s at each. Run it with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, one model per process: with the default
+  segments, fragmentation under the cap refuses dtr's evicting steps long before its budget
+  does (rows record ``alloc_conf``).
 - ``cost``: the CUDA cost mode. Synchronizations a step makes, counted with
   ``torch.cuda.set_sync_debug_mode("warn")``, eager against dtr (unlimited and evicting); and
   the roofline estimate of each op against its CUDA-event time in an eager step.
@@ -37,8 +40,10 @@ draws slowdown against budget with the DTR paper's curves (Titan V) on it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -282,7 +287,11 @@ def _fits(build, device, method, cap, margin):
         # memory dtr does not count; its own refusal names the op.
         return None, f"{type(e).__name__}: {str(e)[:240]}"
     finally:
+        # A dtr step refused inside an op leaves its tensors in reference cycles that only a
+        # full collection frees (on GPT-2, 4.9 GiB after a refused try), which the next try
+        # would find allocated.
         del case
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -450,7 +459,10 @@ def plot(rows, path):
     models = list(dict.fromkeys(r["model"] for r in rows if r["section"] == "budgets"))
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.4 * max(1, len(models)), 3.6), squeeze=False)
     for ax, name in zip(axes.flat, models):
-        ok = [r for r in rows if r["section"] == "budgets" and r["model"] == name and r.get("status") == "ok"]
+        budgets = [r for r in rows if r["section"] == "budgets" and r["model"] == name]
+        # The newest run's curve alone: runs differ by the host's speed.
+        last = max((r["time"], r.get("run", "")) for r in budgets) if budgets else None
+        ok = [r for r in budgets if (r["time"], r.get("run", "")) == last and r.get("status") == "ok"]
         # Budgets as a share of eager's true peak where it was measured (CUDA), else of dtr's
         # evictable room (``budget_at``'s fraction).
         measured = any(r.get("of_eager_peak") for r in ok)
@@ -500,7 +512,10 @@ def main() -> None:
         print("wrote", plot_path) if plot(rows, plot_path) else print("no matplotlib")
         return
     device = torch.device(args.device)
+    # The caching allocator's settings decide how much of a memory cap fragmentation takes
+    # (``expandable_segments:True`` maps memory in one growing segment).
     stamp = dict(commit=commit(), torch=torch.__version__, size=args.size, device=args.device,
+                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  time=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(f"# {stamp['device_name']}, torch {stamp['torch']}, commit {stamp['commit']}", flush=True)
