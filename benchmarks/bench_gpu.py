@@ -287,9 +287,9 @@ def _fits(build, device, method, cap, margin):
         # memory dtr does not count; its own refusal names the op.
         return None, f"{type(e).__name__}: {str(e)[:240]}"
     finally:
-        # A dtr step refused inside an op leaves its tensors in reference cycles that only a
-        # full collection frees (on GPT-2, 4.9 GiB after a refused try), which the next try
-        # would find allocated.
+        # A refused dtr try on CUDA left its tensors in reference cycles that only a full
+        # collection frees (GPT-2 at batch 16: 4.9 GiB), which the next try would find
+        # allocated (README, limitations).
         del case
         gc.collect()
         torch.cuda.empty_cache()
