@@ -199,7 +199,8 @@ class Engine:
         kind = crosscheck.CrosscheckedDriver if crosscheck.enabled() else Driver  # DTR_CROSSCHECK
         driver = kind(
             self._budget, heuristic, estimate=self._cost == "estimate", runtime=runtime,
-            largest_output=self._largest_output, size_every_op=not self._sizes_learned,
+            largest_output=self._largest_output,
+            size_every_op=not self._sizes_learned and self._seeding is None,
             total=self._total, outside=outside,
             constants_before=self._constants_counted, max_recompute=self._max_recompute,
         )

@@ -489,9 +489,12 @@ class Driver(Views, Gradients, HostCopies):
         op and shapes) and the runtime evicts for it (``Runtime.reserve``). Until one of its
         blocks has ended, an engine has no largest output to compare with, so it sizes every op
         (``size_every_op``): a first step is where a cap on device memory is hit (GPT-2's 1.6
-        GiB of logits at batch 8, the first output above 96 MiB, passed an 8 GiB cap). Later an
-        output larger than any the engine has made (a longer sequence) is not anticipated: the
-        peak can pass the budget by it once.
+        GiB of logits at batch 8, the first output above 96 MiB, passed an 8 GiB cap). An engine
+        with a plan does not (``plan=``): its first block profiles the segment's stages by the
+        peaks of the engine's count, and room made before every op hides a stage's growth from
+        them (evicting older storages first); the seeded bench MLP then replayed 1.31x what its
+        plan did at 0.4 of its peak, against 1.13x. Later an output larger than any the engine
+        has made (a longer sequence) is not anticipated: the peak can pass the budget by it once.
         Returns the size's key, for the caller to correct it by what the op made.
         """
         key, nbytes = output_size.output_bytes(func, args, kwargs)
