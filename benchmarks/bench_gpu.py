@@ -452,6 +452,19 @@ def describe(row):
     return str(row)
 
 
+def curve(rows, name):
+    """The ``budgets`` rows of ``name`` that ran, from one process (runs differ by the host's
+    speed): the one with the most such points, the newest of those; and its ``run`` label."""
+    runs = {}
+    for r in rows:
+        if r["section"] == "budgets" and r["model"] == name and r.get("status") == "ok":
+            runs.setdefault((r["time"], r.get("run"), r["commit"]), []).append(r)
+    if not runs:
+        return [], None
+    key = max(runs, key=lambda k: (len(runs[k]), k[0]))
+    return runs[key], key[1]
+
+
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -459,10 +472,7 @@ def plot(rows, path):
     models = list(dict.fromkeys(r["model"] for r in rows if r["section"] == "budgets"))
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.4 * max(1, len(models)), 3.6), squeeze=False)
     for ax, name in zip(axes.flat, models):
-        budgets = [r for r in rows if r["section"] == "budgets" and r["model"] == name]
-        # The newest run's curve alone: runs differ by the host's speed.
-        last = max((r["time"], r.get("run", "")) for r in budgets) if budgets else None
-        ok = [r for r in budgets if (r["time"], r.get("run", "")) == last and r.get("status") == "ok"]
+        ok, run = curve(rows, name)
         # Budgets as a share of eager's true peak where it was measured (CUDA), else of dtr's
         # evictable room (``budget_at``'s fraction).
         measured = any(r.get("of_eager_peak") for r in ok)
@@ -473,7 +483,8 @@ def plot(rows, path):
         if name in PAPER:
             ax.plot(*zip(*PAPER[name]), "ks", fillstyle="none", label="DTR paper (Titan V)")
         for r in rows:
-            if r["section"] == "checkpoint" and r["model"] == name and r.get("eager_true_peak"):
+            if (r["section"] == "checkpoint" and r["model"] == name and r.get("eager_true_peak")
+                    and r.get("run") == run):
                 ax.plot(r["checkpoint_true_peak"] / r["eager_true_peak"], r["checkpoint_ratio"], "r*", markersize=12,
                         label="static checkpointing")
                 if r.get("dtr_true_peak"):

@@ -43,6 +43,19 @@ def test_rank_correlation_averages_ties():
     assert bench_gpu._spearman([1, 1, 2, 2], [5, 6, 7, 8]) == pytest.approx(0.894, abs=1e-3)
 
 
+def test_the_plotted_curve_is_one_process_with_the_most_points():
+    def row(time, run, fraction, status="ok", model="resnet50"):
+        return dict(section="budgets", model=model, time=time, run=run, commit="c", fraction=fraction, status=status)
+
+    rows = [row("01:00", "run 1", f) for f in (0.9, 0.67, 0.45)]
+    rows += [row("02:00", "run 2", f) for f in (0.9, 0.67)] + [row("02:00", "run 2", 0.45, "OutOfBudgetError")]
+    rows += [row("00:30", "run 0", f) for f in (0.9, 0.67, 0.45)] + [row("03:00", "run 3", 0.9, model="gpt2")]
+    points, run = bench_gpu.curve(rows, "resnet50")
+    assert run == "run 1" and [r["fraction"] for r in points] == [0.9, 0.67, 0.45]
+    assert bench_gpu.curve(rows, "gpt2")[1] == "run 3"
+    assert bench_gpu.curve(rows, "treelstm") == ([], None)
+
+
 def test_plot_of_the_shipped_rows(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [json.loads(line) for line in open(BENCHMARKS / "results" / "gpu.jsonl")]

@@ -203,6 +203,22 @@ def test_room_is_made_before_an_op_in_an_engines_first_step(name):
     assert peak <= budget + largest_op + random_ops * RNG_STATE_BYTES
 
 
+def test_an_engine_sizes_every_op_until_a_block_with_ops_has_ended():
+    """A block that ran no op teaches the engine no largest output: its next step still makes
+    room before every op (Note [Room before an op]). With a largest output of 0 learned, the
+    LSTM's first step passed the budget by 15 kB by the engine's own count."""
+    w = build("lstm")
+    model = fresh_model(w)
+    probe = dtr.budget(None, cost="estimate")
+    _profiled_step(w, model, probe)
+    budget = budget_at(probe.stats(), 0.5)
+    engine = dtr.budget(budget, cost="estimate")
+    with engine:
+        pass
+    _profiled_step(w, model, engine)
+    assert engine.stats().peak_resident_bytes <= budget
+
+
 def test_a_budget_below_the_gradients_says_so():
     """The bench MLP's gradients (8 x 4 MiB) take most of its peak: half the peak cannot hold
     them, and the error says that gradients are what the budget must cover, instead of the step

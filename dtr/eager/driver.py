@@ -488,8 +488,9 @@ class Driver(Views, Gradients, HostCopies):
         Otherwise the outputs' size is found first (output_size.py: the meta device, cached per
         op and shapes) and the runtime evicts for it (``Runtime.reserve``). Until one of its
         blocks has ended, an engine has no largest output to compare with, so it sizes every op
-        (``size_every_op``): a first step is where a cap on device memory is hit (GPT-2's 1.6
-        GiB of logits at batch 8, the first output above 96 MiB, passed an 8 GiB cap). An engine
+        (``size_every_op``), at the price of a meta-size lookup per op in that block: a first
+        step is where a cap on device memory is hit (GPT-2's 1.5 GiB of logits at batch 8,
+        larger than any output before them, passed an 8 GiB cap). An engine
         with a plan does not (``plan=``): its first block profiles the segment's stages by the
         peaks of the engine's count, and room made before every op hides a stage's growth from
         them (evicting older storages first); the seeded bench MLP then replayed 1.31x what its
