@@ -184,14 +184,15 @@ class Engine:
             runtime = self._recorder(heuristic)
         outside = None
         if self._total and self._budget is not None:
+            # With CUDA memory allocated, that count is what exists before the block from its
+            # first op that names a CUDA device (Driver._watch_device).
             outside = _cuda_allocated()
-            before = self._constants_counted if outside is None else outside
+            before = self._constants_counted
             if before > self._budget:
                 raise OutOfBudgetError(
                     before, self._budget, "dtr.budget(total=True) on entry",
-                    f"{before} bytes exist before the block (parameters, gradients, optimizer "
-                    "state, inputs: on CUDA all it has allocated, elsewhere the tensors the "
-                    "engine's last block read), more than the total limit.",
+                    f"{before} bytes exist before the block (the tensors the engine's last "
+                    "block read), more than the total limit.",
                 )
         if self._swap:
             host = HostTier(self._bandwidth or measure_bandwidth(), self._host_limit, self._swap_log)
@@ -444,8 +445,9 @@ def budget(
         total: when True, ``limit`` is the memory the whole step may use on the device, not
             only the tensors made in the block: everything already allocated counts against it
             (parameters, gradients, optimizer state, inputs), so "fit in 22 GiB" is one
-            argument. On CUDA that is ``torch.cuda.memory_allocated()`` as the block starts
-            (raising ``OutOfBudgetError`` if it is already over the limit); elsewhere (CPU,
+            argument. For a block on CUDA that is ``torch.cuda.memory_allocated()`` as the
+            block starts, from its first op that names a CUDA device (which raises
+            ``OutOfBudgetError`` if that count is over the limit already); elsewhere (CPU,
             which keeps no such count) the bytes of the tensors from before the block that its
             ops read: from the start of a block, as many as the engine's previous block read,
             and more as new ones are first read (in an engine's first block, only as each is

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
+import dtr.scope
 from dtr.testing.memory import memory_events, peak_bytes
 from dtr.testing.step import budget_at, fresh_model
 from dtr.eager import output_size
@@ -234,7 +235,16 @@ def test_a_budget_below_the_gradients_says_so():
     assert info.value.budget == budget and info.value.needed_bytes > budget
 
 
-def test_total_limit_counts_the_tensors_from_before_the_block():
+@pytest.fixture(params=["no CUDA memory", "CUDA memory allocated"])
+def cuda_memory(request, monkeypatch):
+    """Runs a CPU test of ``total=True`` also as in a process that has CUDA memory allocated
+    (a GPU machine's test run): the limit must cover what the CPU block reads, not that count
+    (Driver._watch_device; with CUDA's count taken, they failed on an H200)."""
+    if request.param == "CUDA memory allocated":
+        monkeypatch.setattr(dtr.scope, "_cuda_allocated", lambda: 64 * 2**20)
+
+
+def test_total_limit_counts_the_tensors_from_before_the_block(cuda_memory):
     """``dtr.budget(limit, total=True)``: the parameters and the batch the step reads count
     against the limit (on CPU: from a block's start, those its engine's previous block read),
     so the true peak of the step's new allocations plus those tensors stays within the limit
@@ -259,7 +269,7 @@ def test_total_limit_counts_the_tensors_from_before_the_block():
     assert plain.stats().evictions < stats.evictions
 
 
-def test_total_limit_below_what_exists_already_says_so():
+def test_total_limit_below_what_exists_already_says_so(cuda_memory):
     w = build("mlp")
     model = fresh_model(w)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -296,7 +306,28 @@ def test_total_limit_on_cuda_counts_memory_allocated():
     assert torch.cuda.max_memory_allocated() <= limit + largest
 
 
-def test_total_limit_counts_a_constant_once_whatever_alias_reads_it():
+def test_total_limit_takes_the_cuda_count_from_the_first_op_on_cuda(monkeypatch):
+    """With CUDA memory allocated at entry, a block counts the constants it reads until an op
+    names a CUDA device; from then on the limit covers the CUDA count instead (Driver._watch_device,
+    called as the dispatch calls it: no CUDA op can run here), and an op that finds that count
+    over the limit is refused, leaving the count as it was."""
+    monkeypatch.setattr(dtr.scope, "_cuda_allocated", lambda: 1_000_000)
+    w, x = torch.randn(64, 64), torch.randn(8, 64)
+    with dtr.budget(2_000_000, total=True, cost="estimate") as engine:
+        driver, rt = engine._driver, engine.runtime
+        x @ w
+        assert rt.outside == w.nbytes + x.nbytes and driver.count_constants is not None
+        driver._watch_device("aten::mm", (x, w), {})  # CPU tensors: nothing changes
+        assert rt.outside == w.nbytes + x.nbytes
+        driver._watch_device("aten::empty", (), {"device": torch.device("cuda")})
+        assert rt.outside == 1_000_000 and rt.budget == 1_000_000 and driver.count_constants is None
+    with dtr.budget(900_000, total=True, cost="estimate") as engine:
+        with pytest.raises(dtr.OutOfBudgetError, match="outside the engine"):
+            engine._driver._watch_device("aten::empty", (), {"device": torch.device("cuda")})
+        assert engine.runtime.outside == 0 and engine._driver.count_constants is not None
+
+
+def test_total_limit_counts_a_constant_once_whatever_alias_reads_it(cuda_memory):
     """``w.detach()`` or ``w.data`` is a new tensor object over the same memory: counted once."""
     w, x = torch.randn(512, 512), torch.randn(8, 512)
     with dtr.budget("6MB", total=True, cost="estimate") as engine:
@@ -306,7 +337,7 @@ def test_total_limit_counts_a_constant_once_whatever_alias_reads_it():
     assert engine.stats().evictions == 0  # it ran: before, the sixth read raised
 
 
-def test_total_limit_refusal_leaves_nothing_counted():
+def test_total_limit_refusal_leaves_nothing_counted(cuda_memory):
     """An op refused because the constant it reads first does not fit is refused again when
     retried, instead of running past the limit (the constant was left counted, the budget not
     lowered)."""
@@ -318,7 +349,7 @@ def test_total_limit_refusal_leaves_nothing_counted():
                 x @ w2
 
 
-def test_the_runtime_owns_the_limit_and_what_it_leaves():
+def test_the_runtime_owns_the_limit_and_what_it_leaves(cuda_memory):
     """Note [The budget]: inside a block ``engine.budget`` is the runtime's limit, and the
     runtime's budget is that limit less the constants counted so far; reading a new constant
     and setting ``engine.budget`` both move it, and a refused change moves nothing."""

@@ -104,15 +104,18 @@ class Driver(Views, Gradients, HostCopies):
         # manage (Note [The budget] in runtime.py): ``outside`` bytes allocated on the device
         # before the block (CUDA), or, where no allocator counts them, the constants the block
         # reads (``count_constants``): as many as the engine's previous block read
-        # (``constants_before``), more as new ones are first read.
+        # (``constants_before``), more as new ones are first read. The CUDA count is for a
+        # block that computes on CUDA: until an op names a CUDA device (``_watch_device``) the
+        # block counts the constants it reads (a CPU block in a process that also uses a GPU).
         Gradients.__init__(self)
-        counting = total and outside is None
+        counting = total
         self.constants_before = constants_before if counting else 0
+        self._cuda_outside = outside if total else None
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
         self.rt = runtime(
             budget, heuristic, self, untracked=True, max_recompute=max_recompute,
-            outside=self.constants_before if counting else (outside or 0),
+            outside=self.constants_before if counting else 0,
         )
         self.estimate = estimate
         # The largest new storage an op of this engine made, and whether its ops are sized
@@ -127,14 +130,33 @@ class Driver(Views, Gradients, HostCopies):
         # ``Constants.count`` where constants read count against the limit, else None.
         self.count_constants = self.constants.count if counting else None
         self.ops = 0  # ops intercepted
-        # The native simple op (native.py), for the runtime it mirrors: not a trace recorder's
-        # (a subclass), not with a host tier or constants counted.
-        self.native = native.run_simple if (
-            type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None
-        ) else None
-        if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
-            self.dispatch = native.dispatcher(self)
+        self.native = None
+        self._bind_native()
         self.op_seconds = 0.0  # cost of the ops run for the program (not replays); plans profile it
+
+    def _bind_native(self) -> None:
+        """The native simple op (native.py), for the runtime it mirrors: not a trace recorder's
+        (a subclass), not with a host tier or constants counted."""
+        if type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None:
+            self.native = native.run_simple
+            if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
+                self.dispatch = native.dispatcher(self)
+
+    def _watch_device(self, opname: str, args, kwargs) -> None:
+        """With ``total=True`` and CUDA memory allocated at the block's entry: at the first op
+        that names a CUDA device, the limit covers that count instead of the constants read so
+        far. Raises ``OutOfBudgetError`` (the op does not run; the next one tries again) if that
+        leaves the engine less than it holds."""
+        device = kwargs.get("device")
+        named = isinstance(device, torch.device) and device.type == "cuda"
+        if not named and not any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
+                                 for a in _flat_args(args, kwargs)):
+            return
+        self.rt.set_outside(self._cuda_outside, opname)
+        self._cuda_outside = None
+        self.constants_before = 0
+        self.count_constants = None
+        self._bind_native()
 
     def _charge_constants(self, nbytes: int, opname: str) -> None:
         """With ``count_constants``: ``nbytes`` of constants have been read (``Constants.count``);
@@ -156,6 +178,8 @@ class Driver(Views, Gradients, HostCopies):
             facts = facts_for(func)
         rt = self.rt
         with rt.lock:
+            if self._cuda_outside is not None:
+                self._watch_device(facts.name, args, kwargs)
             self.ops += 1
             if rt._dead:
                 rt.drain()
@@ -544,6 +568,17 @@ class Driver(Views, Gradients, HostCopies):
                 self._close_gradients()
                 self.constants.clear()
             return rt.counters.rematerializations - before
+
+
+def _flat_args(args, kwargs) -> list:
+    """``args`` and ``kwargs``' values, lists and tuples among them opened one level."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if type(a) in (list, tuple):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
 
 
 def _wrapped(v, rt, cell):
