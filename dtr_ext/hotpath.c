@@ -6,12 +6,12 @@
  * called without keyword arguments itself; every other op goes to ``Driver._route``, in Python.
  *
  * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
- * arguments (inputs, constants, the replay template and its slots), lock the inputs, run and
- * time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
+ * arguments (inputs, constants, the replay template and its slots), lock the inputs, make room
+ * for the output near the budget (``Driver._make_room`` and ``output_size.correct``, in Python),
+ * run and time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
  * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
- * instead (a random op, a budget close enough that the driver makes room first, an evicted
- * input, another engine's wrapper, nested lists) it returns the ``FALLBACK`` sentinel having
+ * instead (a random op, an evicted input, another engine's wrapper, nested lists) it returns the ``FALLBACK`` sentinel having
  * changed nothing but wrappers resolved to their storage's newest version and parameters
  * hooked (which the Python path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
@@ -47,7 +47,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode, *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
-    *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
+    *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds, *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH;
 static PyObject *EMPTY; /* () */
@@ -90,7 +90,7 @@ static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
 
 /* Interned attribute names. */
-static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A_hooks, *A_requires_grad,
+static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A__make_room, *A_hooks, *A_requires_grad,
     *A_is_leaf, *A__base, *A_layout, *A_untyped_storage, *A_nbytes, *A_unlock,
     *A__register_one, *A_op_seconds, *A_clock, *A_work, *A__sid, *A__backward, *A_resident,
     *A__all, *A__untrack, *A__high, *A_on_op, *A__use_constants, *A_size, *A_is_contiguous,
@@ -1087,13 +1087,13 @@ static int add_seconds(PyObject *driver, PyObject *seconds) {
  * FALLBACK having changed nothing but resolved wrappers and hooked parameters (header). */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
     PyObject *rt = NULL, *targs = NULL, *vals = NULL, *inputs = NULL, *slots = NULL,
-             *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL;
-    int locked = 0;
+             *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL, *sized = NULL;
+    int locked = 0, room = 0;
     if (SLOT(facts, F_random) != Py_False) return Py_NewRef(O_FALLBACK);
     rt = PyObject_GetAttr(driver, A_rt);
     if (rt == NULL) return NULL;
     {
-        /* Note [Room before an op] in driver.py: the Python path makes room first */
+        /* Note [Room before an op] in driver.py: room is made once the inputs are locked */
         PyObject *budget = PyObject_GetAttr(rt, A_budget);
         if (budget == NULL) goto error;
         if (budget != Py_None && SLOT(facts, F_sized) == Py_True) {
@@ -1103,7 +1103,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
                 attr_ll(driver, A_largest_output, &largest) < 0 ||
                 attr_ll(driver, A_size_every_op, &every) < 0)
                 goto error;
-            if (every || memory + largest > b) goto fallback;
+            room = every || memory + largest > b;
         } else {
             Py_DECREF(budget);
         }
@@ -1128,11 +1128,20 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         }
     }
     locked = 1;
+    if (room) { /* Driver._make_room: the size's key, to correct by what the op makes */
+        sized = PyObject_CallMethodObjArgs(driver, A__make_room, facts, func, vals, O_no_kwargs, NULL);
+        if (sized == NULL) goto error;
+    }
     double t0, t1;
     grad = PyObject_CallNoArgs(O_is_grad_enabled);
     if (grad == NULL || seconds_now(&t0) < 0) goto error;
     out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, NULL);
     if (out == NULL || seconds_now(&t1) < 0) goto error;
+    if (sized != NULL && sized != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(O_correct_size, sized, out, vals, O_no_kwargs, NULL);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
+    }
     PyObject *seconds = PyFloat_FromDouble(t1 - t0);
     if (seconds == NULL) goto error;
     long long nbytes = 0;
@@ -1228,6 +1237,7 @@ done:
     Py_XDECREF(hooks);
     Py_XDECREF(out);
     Py_XDECREF(grad);
+    Py_XDECREF(sized);
     return result;
 }
 
@@ -1624,6 +1634,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(no_kwargs);
     GET(first);
     GET(estimate_seconds);
+    GET(correct_size);
     GET(FACTS);
     GET(facts_for);
     GET(current_node);
@@ -1686,7 +1697,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dtr_ext._hotpath",
     } while (0)
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op); INTERN(hooks);
+    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op); INTERN(_make_room); INTERN(hooks);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
     INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);

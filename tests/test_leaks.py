@@ -12,6 +12,7 @@ import torch
 
 import dtr
 from dtr.eager.driver import Driver
+from dtr.scope import Engine
 from dtr.core import Runtime, State, collector
 from dtr.core.storage import Cell
 from dtr.core.heuristics import LRU
@@ -125,22 +126,40 @@ def test_reference_counting_frees_what_the_engine_drops():
 
 @pytest.fixture
 def storages_made(monkeypatch):
-    """Weak references to every storage the engines make during the test."""
-    made = []
+    """Weak references to the storages the engines make during the test, by runtime and id:
+    those the Python path makes (``Runtime._new_storage``), and after each op those made since
+    the last one (the native path makes its own; one made and released within an op is not
+    seen)."""
+    made = {}
     new_storage = Runtime._new_storage
 
     def spy(self, *args):
         s = new_storage(self, *args)
-        made.append(weakref.ref(s))
+        made[id(self), s.sid] = weakref.ref(s)
         return s
 
+    enter = Engine.__enter__
+
+    def entered(self):
+        engine = enter(self)
+        since = [self.runtime.next_sid]
+
+        def after_op(rt):
+            for s in rt.storages_since(since[0]):
+                made.setdefault((id(rt), s.sid), weakref.ref(s))
+            since[0] = rt.next_sid
+
+        self.runtime.on_op = after_op
+        return engine
+
     monkeypatch.setattr(Runtime, "_new_storage", spy)
+    monkeypatch.setattr(Engine, "__enter__", entered)
     return made
 
 
 def _alive(made):
     gc.collect()
-    return [s for s in (r() for r in made) if s is not None]
+    return [s for s in (r() for r in made.values()) if s is not None]
 
 
 def test_records_are_kept_from_the_collector():

@@ -30,6 +30,7 @@ from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
 from dtr.core.storage import EVICTED, RELEASED, RESIDENT, SWAPPED, Cell, Storage
+from dtr.eager import output_size
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
@@ -56,6 +57,7 @@ def _config() -> dict:
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
         "perf_counter": perf_counter, "estimate_seconds": estimate_seconds,
+        "correct_size": output_size.correct,
         "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
         "untrack_gc": collector.NATIVE, "FACTS": FACTS, "facts_for": facts_for,
         "current_node": getattr(torch._C, "_current_autograd_node", lambda: None),
