@@ -143,11 +143,14 @@ def storages_made(monkeypatch):
     def entered(self):
         engine = enter(self)
         since = [self.runtime.next_sid]
+        before = self.runtime.on_op
 
         def after_op(rt):
             for s in rt.storages_since(since[0]):
-                made.setdefault((id(rt), s.sid), weakref.ref(s))
+                made[id(rt), s.sid] = weakref.ref(s)
             since[0] = rt.next_sid
+            if before is not None:
+                before(rt)
 
         self.runtime.on_op = after_op
         return engine

@@ -317,13 +317,16 @@ def test_total_limit_takes_the_cuda_count_from_the_first_op_on_cuda(monkeypatch)
         driver, rt = engine._driver, engine.runtime
         x @ w
         assert rt.outside == w.nbytes + x.nbytes and driver.count_constants is not None
-        driver._watch_device("aten::mm", (x, w), {})  # CPU tensors: nothing changes
+        driver._watch_device("aten.mm.default", (x, w), {})  # CPU tensors: nothing changes
         assert rt.outside == w.nbytes + x.nbytes
-        driver._watch_device("aten::empty", (), {"device": torch.device("cuda")})
+        driver._watch_device("aten.empty.memory_format", (), {"device": torch.device("cuda")})
         assert rt.outside == 1_000_000 and rt.budget == 1_000_000 and driver.count_constants is None
+        y = torch.tanh(x @ w)  # the native path (when built) runs the ops after the switch
+        assert rt.outside == 1_000_000 and torch.equal(y, torch.tanh(x @ w))
+    assert engine._constants_counted == 0  # what the CUDA count covers is not the next block's start
     with dtr.budget(900_000, total=True, cost="estimate") as engine:
         with pytest.raises(dtr.OutOfBudgetError, match="outside the engine"):
-            engine._driver._watch_device("aten::empty", (), {"device": torch.device("cuda")})
+            engine._driver._watch_device("aten.empty.memory_format", (), {"device": torch.device("cuda")})
         assert engine.runtime.outside == 0 and engine._driver.count_constants is not None
 
 

@@ -156,6 +156,7 @@ class Driver(Views, Gradients, HostCopies):
         self._cuda_outside = None
         self.constants_before = 0
         self.count_constants = None
+        self.constants.counted.clear()  # counted in the CUDA count: not the next block's start
         self._bind_native()
 
     def _charge_constants(self, nbytes: int, opname: str) -> None:
@@ -178,11 +179,11 @@ class Driver(Views, Gradients, HostCopies):
             facts = facts_for(func)
         rt = self.rt
         with rt.lock:
-            if self._cuda_outside is not None:
-                self._watch_device(facts.name, args, kwargs)
             self.ops += 1
             if rt._dead:
                 rt.drain()
+            if self._cuda_outside is not None:
+                self._watch_device(facts.name, args, kwargs)
             node = _current_node()
             if node is not self.node:
                 if (node is None) is not (self.node is None):
