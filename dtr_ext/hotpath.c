@@ -11,8 +11,8 @@
  * run and time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
  * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
- * instead (a random op, an evicted input, another engine's wrapper, nested lists) it returns the ``FALLBACK`` sentinel having
- * changed nothing but wrappers resolved to their storage's newest version and parameters
+ * instead (a random op, an evicted input, another engine's wrapper, nested lists) it returns
+ * the ``FALLBACK`` sentinel having changed nothing but wrappers resolved to their storage's newest version and parameters
  * hooked (which the Python path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
  * ``Driver._register_one`` (the Python continuation), evicting for the budget to
@@ -47,7 +47,8 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode, *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
-    *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds, *O_correct_size,
+    *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
+    *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH;
 static PyObject *EMPTY; /* () */
@@ -90,7 +91,8 @@ static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
 
 /* Interned attribute names. */
-static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A__make_room, *A_hooks, *A_requires_grad,
+static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A__make_room,
+    *A_hooks, *A_requires_grad,
     *A_is_leaf, *A__base, *A_layout, *A_untyped_storage, *A_nbytes, *A_unlock,
     *A__register_one, *A_op_seconds, *A_clock, *A_work, *A__sid, *A__backward, *A_resident,
     *A__all, *A__untrack, *A__high, *A_on_op, *A__use_constants, *A_size, *A_is_contiguous,
@@ -1697,7 +1699,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dtr_ext._hotpath",
     } while (0)
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op); INTERN(_make_room); INTERN(hooks);
+    INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op);
+    INTERN(_make_room); INTERN(hooks);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
     INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);

@@ -108,14 +108,13 @@ class Driver(Views, Gradients, HostCopies):
         # block that computes on CUDA: until an op names a CUDA device (``_watch_device``) the
         # block counts the constants it reads (a CPU block in a process that also uses a GPU).
         Gradients.__init__(self)
-        counting = total
-        self.constants_before = constants_before if counting else 0
+        self.constants_before = constants_before if total else 0
         self._cuda_outside = outside if total else None
         # ``runtime``: the Runtime class, or a factory with its signature (the trace recorder).
         # Untracked records: the block always closes the runtime (Note [Untracked records]).
         self.rt = runtime(
             budget, heuristic, self, untracked=True, max_recompute=max_recompute,
-            outside=self.constants_before if counting else 0,
+            outside=self.constants_before,
         )
         self.estimate = estimate
         # The largest new storage an op of this engine made, and whether its ops are sized
@@ -128,7 +127,7 @@ class Driver(Views, Gradients, HostCopies):
         self._use_constants = self.constants.use
         self.forget = self.constants.forget
         # ``Constants.count`` where constants read count against the limit, else None.
-        self.count_constants = self.constants.count if counting else None
+        self.count_constants = self.constants.count if total else None
         self.ops = 0  # ops intercepted
         self.native = None
         self._bind_native()
@@ -149,8 +148,8 @@ class Driver(Views, Gradients, HostCopies):
         leaves the engine less than it holds."""
         device = kwargs.get("device")
         named = isinstance(device, torch.device) and device.type == "cuda"
-        if not named and not any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
-                                 for a in _flat_args(args, kwargs)):
+        if not named and not any(t.device.type == "cuda"
+                                 for t in output_size.flat_tensors([*args, *kwargs.values()])):
             return
         self.rt.set_outside(self._cuda_outside, opname)
         self._cuda_outside = None
@@ -396,7 +395,8 @@ class Driver(Views, Gradients, HostCopies):
                 self.count_constants(consts, facts.name)
             budget = rt.budget
             sized = None
-            if budget is not None and facts.sized and (self.size_every_op or rt.memory + self.largest_output > budget):
+            if budget is not None and facts.sized and (
+                    self.size_every_op or rt.memory + self.largest_output > budget):
                 sized = self._make_room(facts, func, vals, kw)
             state = rng.capture(vals, kw) if facts.random else None
             grad = torch.is_grad_enabled()
@@ -514,13 +514,13 @@ class Driver(Views, Gradients, HostCopies):
         op and shapes) and the runtime evicts for it (``Runtime.reserve``). Until one of its
         blocks has ended, an engine has no largest output to compare with, so it sizes every op
         (``size_every_op``), at the price of a meta-size lookup per op in that block: a first
-        step is where a cap on device memory is hit (GPT-2's 1.5 GiB of logits at batch 8,
-        larger than any output before them, passed an 8 GiB cap). An engine
-        with a plan does not (``plan=``): its first block profiles the segment's stages by the
-        peaks of the engine's count, and room made before every op hides a stage's growth from
-        them (evicting older storages first); the seeded bench MLP then replayed 1.31x what its
-        plan did at 0.4 of its peak, against 1.13x. Later an output larger than any the engine
-        has made (a longer sequence) is not anticipated: the peak can pass the budget by it once.
+        step is where a cap on device memory is hit (an LM head's logits, larger than any output
+        before them, passed a GPU's cap). An engine with a plan does not (``plan=``): its first
+        block profiles the segment's stages by the peaks of the engine's count, and room made
+        before every op hides a stage's growth from them (evicting older storages first), so
+        the seeded step replays more than its plan (tests/test_seeding.py's bounds). Later an
+        output larger than any the engine has made (a longer sequence) is not anticipated: the
+        peak can pass the budget by it once.
         Returns the size's key, for the caller to correct it by what the op made.
         """
         key, nbytes = output_size.output_bytes(func, args, kwargs)
@@ -569,17 +569,6 @@ class Driver(Views, Gradients, HostCopies):
                 self._close_gradients()
                 self.constants.clear()
             return rt.counters.rematerializations - before
-
-
-def _flat_args(args, kwargs) -> list:
-    """``args`` and ``kwargs``' values, lists and tuples among them opened one level."""
-    out = []
-    for a in (*args, *kwargs.values()):
-        if type(a) in (list, tuple):
-            out.extend(a)
-        else:
-            out.append(a)
-    return out
 
 
 def _wrapped(v, rt, cell):
