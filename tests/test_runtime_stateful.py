@@ -8,10 +8,12 @@ shows up as a different tuple. ``check_invariants()`` runs after every step.
 import gc
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from dtr.core import OpRecord, Runtime, make_heuristic
+from dtr.core.events import holdings
 from dtr.errors import OutOfBudgetError
 
 
@@ -451,3 +453,62 @@ def test_an_old_version_stays_for_a_reader_a_replay_in_flight_needs():
         assert ex.replays == 4, (order, ex.replays)  # h, h', x, y: each once
         rt.check_invariants()
         rt.close()
+
+
+def test_an_input_every_level_of_a_replay_chain_reads_is_rebuilt_at_most_twice():
+    """``a_i = f(h_{i-1}, e)``, ``h_i = g(a_i)``, with a large, cheap ``e`` read at every level
+    (an RNN's embedded sequence, read by each step's input projection): rebuilding ``h_12``
+    from nothing replays the chain, and the budget leaves room for ``e`` and three states.
+    h_DTR^eq's set of the dead states makes every state dearer per byte than ``e``, so without
+    Note [Rebuilt twice in one access] each ``g`` evicted ``e`` (unlocked once ``f`` is done)
+    and the next ``f`` rebuilt it; protected after its second rebuild, it stays. A replay
+    that fails halfway through the chain ends the protection too."""
+    for fail in (None, "a6"):
+        _chain_reading_one_input(fail)
+
+
+def _chain_reading_one_input(fail):
+    ex = FakeExecutor()
+    rt = Runtime(None, make_heuristic("dtr_eq"), ex)
+    keep = {}
+    e = _op(rt, [], 1000, "e", keep)
+    h = _op(rt, [], 100, "h0", keep)
+    for i in range(1, 13):
+        a = _op(rt, [h, e], 100, f"a{i}", keep)
+        h = _op(rt, [a], 100, f"h{i}", keep)
+    for name in list(keep):
+        if name != "h12":
+            del keep[name]
+    gc.collect()
+    rt.drain()
+    rt.evict(list(rt.resident))
+    rt.set_budget(1300)
+    rebuilt = []
+    replay = ex.replay
+
+    groups = {}
+
+    def spy(rec):
+        if rec.name == fail:
+            raise RuntimeError("a kernel failed")
+        if rec.name == "h5":  # e is kept (and unlocked): what explain() would show if the budget failed now
+            groups.update((h.op, h.group) for h in holdings(rt))
+        rebuilt.append(rec.name)
+        return replay(rec)
+
+    ex.replay = spy
+    if fail:
+        with pytest.raises(RuntimeError):
+            rt.acquire([h])
+        assert rebuilt.count("e") == 2, rebuilt
+        ex.replay = replay  # the kernel works again: the block's end may rebuild h_12
+    else:
+        rt.acquire([h])
+        assert h.value[0] == "h12"
+        rt.unlock([h])
+        assert rebuilt.count("e") == 2, rebuilt
+        assert len(rebuilt) == 2 + 2 * 12 + 1  # e twice, each level once, h0
+    assert e.storage.protected == 0 and not rt.kept_by_access  # the protection ends with the access
+    assert e.storage.state.name == "RESIDENT" and groups["e"] == "activations"  # not "protected by a plan"
+    rt.check_invariants()
+    rt.close()

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from dtr.core.eviction import BACKWARD, PROTECTED, tier
+from dtr.core.eviction import BACKWARD, ORDINARY, PROTECTED, tier
 from dtr.errors import OutOfBudgetError, ThrashingError
 from dtr.log import logger
 
@@ -80,8 +80,11 @@ def holdings(rt: Any) -> List[Holding]:
     that made each storage, largest first. O(resident storages)."""
     sums: Dict[tuple, List[int]] = {}
     protected_from = rt._protected_from
+    kept = rt.kept_by_access
     for s in rt.resident:
         t = tier(s, 0.0, protected_from)
+        if t == PROTECTED and s in kept and s.protected == 1 and s.sid < protected_from:
+            t = BACKWARD if s.backward else ORDINARY  # kept by a replay chain, not by a plan
         if s.locks:
             group = "locked"
         elif t == PROTECTED:

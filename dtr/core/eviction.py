@@ -20,8 +20,9 @@ Candidates are tried in tiers, and a storage's tier is ``tier`` (the only defini
 
 - ``ORDINARY`` first;
 - then the last resorts ``PROTECTED`` (a plan keeps it: ``Runtime.protect``, and storages made
-  in the window of ``Runtime.protect_new``) and ``BACKWARD`` (made in a backward pass, for life:
-  Note [Gradients are a last resort]), searched together;
+  in the window of ``Runtime.protect_new``; an access that had to rebuild a storage twice keeps
+  it until it ends: Note [Rebuilt twice in one access] in rematerialize.py) and ``BACKWARD``
+  (made in a backward pass, for life: Note [Gradients are a last resort]), searched together;
 - ``SMALL`` last: storages under 1% of the mean resident size (``small_below``). Evicting one
   frees next to nothing, and recomputing one (a scalar loss, say) can take a long chain.
 

@@ -149,6 +149,9 @@ class Runtime:
         self._sid = 0
         self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
+        # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
+        # access] in rematerialize.py): ``events.holdings`` tells the two apart.
+        self.kept_by_access: set = set()
         self.host = host
         # The host tier's prefetches in flight (Note [Arrival] in host_tier.py), here so that a read checks for
         # them in one lookup and lands or drops them with no call into the tier; without a
