@@ -191,7 +191,16 @@ def _cell(row: dict) -> str:
 
 
 class Failed(Exception):
-    """A real run that did not finish: its status ("infeasible", "timeout ...", an error)."""
+    """A real run that did not finish: its status ("infeasible", "timeout ...", an error), and
+    for "infeasible" the refusal's first line (``error``: which error, at which op)."""
+
+    def __init__(self, status: str, error: Optional[str] = None) -> None:
+        super().__init__(status)
+        self.error = error
+
+    def fields(self) -> dict:
+        """The row's ``status`` and, when known, ``error``."""
+        return {"status": str(self)} if self.error is None else {"status": str(self), "error": self.error}
 
 
 def _limited(limit: float, fn: Callable[[], object]):
@@ -201,8 +210,8 @@ def _limited(limit: float, fn: Callable[[], object]):
             return fn()
     except RunTimeout as e:
         raise Failed(f"timeout after {limit:g} s ({e})" if str(e) else f"timeout after {limit:g} s") from None
-    except dtr.OutOfBudgetError:
-        raise Failed("infeasible") from None
+    except dtr.OutOfBudgetError as e:
+        raise Failed("infeasible", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     except Exception as e:  # record it, don't lose the rest of the sweep
         raise Failed(f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}") from None
 
@@ -263,7 +272,7 @@ def real_point(w, model, heuristic: str, budget: int, repeats: int, limit: float
         st = engines[-1].stats()
         row.update(true_peaks(w, model, make, limit))
     except Failed as e:
-        return {"status": str(e)}
+        return e.fields()
     row.update(status="ok", evictions=st.evictions, remats=st.rematerializations, engine_peak_bytes=st.peak_resident_bytes)
     _peak_fractions(row, eager)
     return row
@@ -322,7 +331,7 @@ def checkpoint_point(w, model, repeats: int, limit: float, eager: dict) -> dict:
         row.update(_ratios(w, model, lambda: timed_step(ck, model), repeats, limit))
         row.update(true_peaks(ck, model, lambda: None, limit))
     except Failed as e:
-        row["status"] = str(e)
+        row.update(e.fields())
         return row
     row["status"] = "ok"
     _peak_fractions(row, eager)

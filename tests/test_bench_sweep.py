@@ -23,3 +23,20 @@ def test_simulated_sweep_rows():
     assert full["slowdown"] == 1.0 and full["remats"] == 0
     assert half["slowdown"] > 1.0 and half["evictions"] > 0
     assert bench_sweep.lowest_before(rows) == 0.5
+
+
+def test_a_refused_real_point_keeps_its_error():
+    """A real point refused by the budget is "infeasible", and its row says which error, at which
+    op (OutOfBudgetError or ThrashingError: the remedies differ)."""
+    import dtr
+
+    def refuse():
+        raise dtr.ThrashingError(1 << 20, "aten.mm.default", 1234, 12.5)
+
+    try:
+        bench_sweep._limited(30, refuse)
+    except bench_sweep.Failed as e:
+        row = e.fields()
+    assert row["status"] == "infeasible"
+    assert row["error"].startswith("ThrashingError: dtr: aten.mm.default") and "\n" not in row["error"]
+    assert bench_sweep.Failed("timeout after 1 s").fields() == {"status": "timeout after 1 s"}
