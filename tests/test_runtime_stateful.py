@@ -493,6 +493,9 @@ def _chain_reading_one_input(fail):
             raise RuntimeError("a kernel failed")
         if rec.name == "h5":  # e is kept (and unlocked): what explain() would show if the budget failed now
             groups.update((h.op, h.group) for h in holdings(rt))
+            rt.protect([e.storage])  # a plan's protection too: that one shows
+            groups["e with a plan"] = {h.op: h.group for h in holdings(rt)}["e"]
+            rt.unprotect([e.storage])
         rebuilt.append(rec.name)
         return replay(rec)
 
@@ -510,5 +513,6 @@ def _chain_reading_one_input(fail):
         assert len(rebuilt) == 2 + 2 * 12 + 1  # e twice, each level once, h0
     assert e.storage.protected == 0 and not rt.kept_by_access  # the protection ends with the access
     assert e.storage.state.name == "RESIDENT" and groups["e"] == "activations"  # not "protected by a plan"
+    assert groups["e with a plan"] == "protected by a plan"
     rt.check_invariants()
     rt.close()

@@ -42,13 +42,15 @@ leave memory); locked storages found while examining ("parked": re-checked at ea
 so long-held locks cost O(locks) per round); and the last resorts of Note [Eviction tiers]
 (eviction.py), scanned only when no ORDINARY storage can go: SMALL storages ("stashed", scanned
 last), PROTECTED ones ("protected": re-checked at each round start, back to their tier once the
-window has moved past them and ``Runtime.unprotect`` named them; a row protected while active
-moves when examined, before it can be picked), and BACKWARD ones ("gradients": scanned with the
-protected ones, never re-checked, since a storage stays BACKWARD until it leaves memory).
+window has moved past them and ``Runtime.unprotect`` named them, or the access that kept them
+ended (Note [Rebuilt twice in one access]); a row protected while active moves when examined,
+before it can be picked), and BACKWARD ones ("gradients": scanned with the protected ones,
+never re-checked, since a storage stays BACKWARD until it leaves memory).
 
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected,
-plus O(protected rows) per round to re-check them (the few a plan holds).
+plus O(protected rows) per round to re-check them: the few a plan holds, and what a long
+replay chain keeps, which can be a few hundred rows.
 """
 
 from __future__ import annotations

@@ -58,16 +58,17 @@ def materialize(rt: Runtime, target: Cell) -> None:
 
     Note [Rebuilt twice in one access]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    A storage that one access has to rebuild a second time is PROTECTED (Note [Eviction
-    tiers]) until the access ends. A long replay chain can read one input at every level:
-    the embedded sequence of an RNN, read in slices by each step's input projection. Its
-    lock ends with each level's replay, and every storage the chain touches has staleness 1
-    (the clock stands still), so the heuristic weighs bytes against neighbourhoods and the
-    large shared input is the cheapest victim again and again: the bench ``GRUCell`` loop at
-    0.3 of its peak rebuilt its 6.4 MB embedding 276 times in one step under h_DTR^eq. The
-    first rebuild is no evidence (the input may not be read again); the second is. Protected,
-    not locked: when nothing else can go it is still evicted, so a budget that fit before
-    still fits.
+    A storage that one access (one call of this function: one cell) has to rebuild a second
+    time is PROTECTED (Note [Eviction tiers]) until the access ends, however it ends. A long
+    replay chain can read one input at every level: the embedded sequence of an RNN, read in
+    slices by each step's input projection. Its lock ends with each level's replay, and every
+    storage the chain touches has staleness 1 (the clock stands still), so the heuristic weighs
+    bytes against neighbourhoods and the large shared input is the cheapest victim at every
+    level (docs/heuristics.md). The first rebuild is no evidence (the input may not be read
+    again); the second is. Protected, not locked: an eviction round still takes it when nothing
+    else can go, so the rule never makes a round fail for want of room; over a run it changes
+    what is evicted, so slowdowns and feasibility can move either way. Only the storage the
+    access needed is counted, not the other outputs its replay brings back.
     """
     stack = [target]
     held: dict = {}  # id(record) -> per-input flags: locked by this call for it
