@@ -254,7 +254,7 @@ class Engine:
                 if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
                     rt.events.raised(exc, rt)
                 self._holdings = holdings(rt)
-            recomputed = driver.close()
+            recomputed = driver.close(failed=exc_type is not None)
             self._sizes_learned = self._sizes_learned or (exc_type is None and driver.ops > 0)
             if self._sampler is not None:
                 self._sampler.end(rt)

@@ -25,9 +25,9 @@ def comparisons(monkeypatch):
     seen = []
     close = CrosscheckedDriver.close
 
-    def counted(self):
+    def counted(self, failed=False):
         seen.append(dict(self.crosschecked))
-        return close(self)
+        return close(self, failed)
 
     monkeypatch.setattr(CrosscheckedDriver, "close", counted)
     return seen

@@ -212,6 +212,28 @@ def test_recording_a_failed_step_keeps_the_engine_usable(tmp_path):
     assert dtr.simulate(path, None).feasible
 
 
+def test_a_failed_block_ends_in_its_trace_as_it_ended(tmp_path):
+    """A block an exception left ends with ``"failed": true``, and its simulation, like the
+    run, makes nothing resident at the end (Note [A failed block's exit]): the simulated peak
+    stays within the budget, where defining the eight kept activations would pass it."""
+    path = tmp_path / "t.jsonl"
+    budget = 3 * 64 * 1024
+    torch.manual_seed(0)
+    w = torch.randn(128, 128, requires_grad=True)
+    kept = []
+    with pytest.raises(KeyError):
+        with dtr.budget(budget, cost="estimate", trace=path):
+            h = torch.randn(128, 128)
+            for _ in range(8):
+                h = torch.tanh(h @ w)
+                kept.append(h)
+            raise KeyError("the program's own error")
+    events = load(path).blocks[0]
+    assert events[-1] == {"e": "end", "failed": True}
+    r = dtr.simulate(path, budget)
+    assert r.feasible and r.evictions > 0 and r.peak_bytes <= budget
+
+
 def test_simulation_repeats_retired_ops(tmp_path):
     """Ops that read memory about to be freed (FSDP2 resharding a layer's parameters after its
     forward: ``Driver.before_constants_freed``) are retired in the real run and in its trace's

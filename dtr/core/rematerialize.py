@@ -9,17 +9,17 @@ is the runtime's, and a second object would only be a second name for it.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, List
 
 from dtr.core.storage import (
     EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage,
 )
-from dtr.errors import ThrashingError
+from dtr.errors import DTRError, ThrashingError
 
 if TYPE_CHECKING:
     from dtr.core.runtime import Runtime
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "rebuild_after_close"]
 
 _Weak = weakref.ReferenceType
 
@@ -152,6 +152,65 @@ def materialize(rt: Runtime, target: Cell) -> None:
             if n >= 2:
                 s.protected -= 1
                 rt.kept_by_access.discard(s)
+
+
+def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
+    """Define ``target``, a cell of a closed runtime left undefined by a failed block, by
+    replaying the records it depends on (deepest first, iteratively); returns its value.
+
+    Note [A failed block's exit]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A block that ends defines every live cell (``Runtime.close``), lifting the budget if they
+    do not fit: the program may read any of them afterwards. While an exception leaves a block
+    the live cells are mostly the failed step's: its frames and its autograd graph, which the
+    traceback holds until the program is done with the error. Defining them all would make the
+    whole step resident at the moment the budget has just refused it (on a GPU near capacity,
+    an out-of-memory error inside the handling of dtr's own). So a failed block's close defines
+    nothing: what is undefined stays so, its lineage held by its cell, and what is resident
+    stays resident (no more than the budget held). A cell the program reads afterwards
+    (an op on the wrapper, ``dtr.materialize``, autograd unpacking a saved tensor) is rebuilt
+    here on first use, outside any budget as after any block; what nobody reads is freed with
+    its wrapper. The rebuilt values are the recorded ops' on the recorded inputs: a constant
+    written in place since (an optimizer step) is caught at replay, as within a block.
+    """
+    stack = [target]
+    while stack:
+        c = stack[-1]
+        if c.value is not None:
+            stack.pop()
+            continue
+        rec = c.parent
+        if rec is None or not rec.replayable or c.storage.state is RELEASED:
+            raise DTRError(f"dtr: {c} of a failed block cannot be recomputed: its lineage was dropped")
+        missing = [i for i in rec.inputs if i.value is None]
+        if missing:
+            stack.extend(missing)
+            continue
+        try:
+            values, _ = rt.executor.replay(rec)
+        except DTRError as e:
+            raise DTRError(
+                f"dtr: a tensor of a dtr.budget block that failed was read after one it is computed "
+                f"from changed in place (an optimizer step?), so it cannot be recomputed ({e}). Read "
+                "what you need of a failed step before changing what it read."
+            ) from e
+        for cell, v in zip(rec.outputs, values):
+            if type(cell) is _Weak:
+                cell = cell()
+            if cell is None or cell.value is not None:
+                continue
+            s = cell.storage
+            if s.state is RELEASED:
+                continue
+            if cell is s.root:
+                s.state = RESIDENT
+            else:
+                s.add_view(cell)
+            cell.value = v
+        if c.value is None:  # pragma: no cover - would be a runtime bug
+            raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
+        stack.pop()
+    return target.value
 
 
 def _room_for_replay(rt: Runtime, rec: OpRecord) -> None:

@@ -596,11 +596,14 @@ class Runtime:
                 self.limit, self.outside, self.budget = old
                 raise
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """End of block: define every live wrapper's cell, cut all lineage, stop tracking.
 
         Recomputation stays under the budget when the live tensors fit in it; otherwise the
-        budget is lifted (the block is over, and they must all be resident from now on)."""
+        budget is lifted (the block is over, and they must all be resident from now on). After
+        a block that ``failed`` (an exception left it), live cells that are not defined stay
+        so, with their lineage, until the program reads them (Note [A failed block's exit] in
+        rematerialize.py); with a host tier they are defined as after any block."""
         saved = self.budget
         try:  # whatever fails here (a heuristic's hook in drain), the finally ends the block
             self.drain()
@@ -608,14 +611,15 @@ class Runtime:
             for ref in self.live_refs():
                 ref.cell = self.resolve(ref.cell)
                 cells.append(ref.cell)
-            try:
-                self.acquire(cells)
-            except OutOfBudgetError:
+            if not failed or self.host is not None:
+                try:
+                    self.acquire(cells)
+                except OutOfBudgetError:
+                    self.budget = None
+                    self.acquire(cells)
                 self.budget = None
-                self.acquire(cells)
-            self.budget = None
-            self.unlock(cells)
-            self.flush()
+                self.unlock(cells)
+                self.flush()
         finally:
             self.budget = saved
             self.closed = True

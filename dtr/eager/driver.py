@@ -558,13 +558,14 @@ class Driver(Views, Gradients, HostCopies):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def close(self) -> int:
-        """End of block. Returns how many ops had to be replayed to define live tensors."""
+    def close(self, failed: bool = False) -> int:
+        """End of block (``failed``: an exception left it, ``Runtime.close``). Returns how many
+        ops had to be replayed to define live tensors."""
         rt = self.rt
         with rt.lock, _no_python_dispatch():
             before = rt.counters.rematerializations
             try:
-                rt.close()
+                rt.close(failed)
             finally:
                 self._close_gradients()
                 self.constants.clear()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dtr.core.rematerialize import rebuild_after_close
 from dtr.eager.escaped import run_escaped
 
 __all__ = ["DTRTensor", "make_wrapper"]
@@ -46,7 +47,11 @@ class DTRTensor(torch.Tensor):
         ref = self._dtr
         rt = ref.cell.storage.runtime
         if rt.closed:
-            return ref.cell.value
+            v = ref.cell.value
+            if v is None:
+                with rt.lock:  # two threads reading one tensor rebuild it once
+                    v = rebuild_after_close(rt, ref.cell)
+            return v
         return rt.executor.to_plain(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:

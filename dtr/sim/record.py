@@ -154,16 +154,16 @@ class RecordingRuntime(Runtime):
         self._reserved = nbytes
         self._call(None, super().reserve, nbytes, opname)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         try:
             self.drain()  # log the frees the program made, so that a replay's close sees the same refs
         finally:  # the block ends even if that failed (Runtime.close gives back untracked records)
             self._depth += 1
             try:
-                super().close()
+                super().close(failed)
             finally:
                 self._depth -= 1
-                self._emit({"e": "end"})
+                self._emit({"e": "end", "failed": True} if failed else {"e": "end"})
                 self.writer.flush()
                 self._rids.clear()
 

@@ -249,7 +249,7 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
                     param: _decoded(event[key], coding, cell) for key, param, coding in call.fields if key in event
                 })
         elif kind == "end":
-            rt.close()
+            rt.close(event.get("failed", False))
         elif kind != "begin":
             raise ValueError(f"dtr: unknown trace event {kind!r}")
     return cost

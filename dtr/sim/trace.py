@@ -17,7 +17,8 @@ one runtime call each are described once, in ``CALLS``, which the recorder (reco
 simulator (simulator.py) both follow.
 
 - ``{"e": "begin", "budget": b}`` / ``{"e": "end"}``: a block starts (with its budget) / ends
-  (``Runtime.close``: live tensors made resident, lineage dropped).
+  (``Runtime.close``: live tensors made resident, lineage dropped); ``"failed": true`` when an
+  exception left the block (Note [A failed block's exit]: nothing is made resident).
 - ``{"e": "op", "name": n, "cost": seconds, "replayable": bool, "in": [cid...],
   "mut": [cid...], "new": [[nbytes, base_cid or null], ...], "out": [cid...]}``: an op ran on
   the defined inputs ``in`` (acquired, i.e. recomputed first if needed) and completed. ``mut``
