@@ -291,6 +291,14 @@ def test_what_a_failed_block_leaves_is_rebuilt_when_read():
         w2.add_(1.0)  # an optimizer step
     with pytest.raises(dtr.DTRError, match="failed was read after one it is computed from changed in place"):
         dtr.materialize(evicted)
+    kept3: list = []  # the program writes one of the failed step's tensors: its dependents cannot be rebuilt
+    with pytest.raises(KeyError):
+        _failing_chain(dtr.budget(3 * 64 * 1024, cost="estimate"), kept3)
+    first, second = [t for t in kept3 if t._dtr.cell.value is None][:2]
+    assert torch.equal(dtr.materialize(first), eager[0])
+    first.mul_(0)
+    with pytest.raises(dtr.DTRError, match="written in place since"):
+        dtr.materialize(second)
 
 
 def test_a_budget_below_the_gradients_says_so():

@@ -167,12 +167,18 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
     whole step resident at the moment the budget has just refused it (on a GPU near capacity,
     an out-of-memory error inside the handling of dtr's own). So a failed block's close defines
     nothing: what is undefined stays so, its lineage held by its cell, and what is resident
-    stays resident (no more than the budget held). A cell the program reads afterwards
-    (an op on the wrapper, ``dtr.materialize``, autograd unpacking a saved tensor) is rebuilt
-    here on first use, outside any budget as after any block; what nobody reads is freed with
-    its wrapper. The rebuilt values are the recorded ops' on the recorded inputs: a constant
-    written in place since (an optimizer step) is caught at replay, as within a block.
+    stays resident (no more than the budget held); live cells that are defined lose their
+    lineage, as at any block's end, so that keeping one (a logged loss) keeps nothing else. A
+    cell the program reads afterwards (an op on the wrapper, ``dtr.materialize``, autograd
+    unpacking a saved tensor) is rebuilt here on first use, outside any budget as after any
+    block; what nobody reads is freed with its wrapper, by the cyclic collector (records and
+    storages refer to each other). A rebuild reads only data as it was: a constant written in
+    place since (an optimizer step) is caught at replay, as within a block, and the block's own
+    tensors by the version counters ``Runtime.versions_after_close`` took when each was last
+    defined; either is a ``DTRError``, never a value eager would not have given.
     """
+    if rt.versions_after_close is None:  # its close itself failed: nothing was kept for this
+        raise DTRError(f"dtr: {target} of a closed block is undefined and cannot be recomputed")
     stack = [target]
     while stack:
         c = stack[-1]
@@ -186,6 +192,14 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
         if missing:
             stack.extend(missing)
             continue
+        versions = rt.versions_after_close
+        for i in rec.inputs:
+            if _written_after_close(rt, i):
+                raise DTRError(
+                    f"dtr: a tensor of a dtr.budget block that failed cannot be recomputed: "
+                    f"{rec.name} would read a tensor of that block that was written in place "
+                    "since. Read what you need of a failed step before writing to its tensors."
+                )
         try:
             values, _ = rt.executor.replay(rec)
         except DTRError as e:
@@ -207,10 +221,26 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
             else:
                 s.add_view(cell)
             cell.value = v
+            if s.value is not None:
+                versions[s] = getattr(s.value, "_version", 0)
         if c.value is None:  # pragma: no cover - would be a runtime bug
             raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
         stack.pop()
     return target.value
+
+
+def _written_after_close(rt: Runtime, cell: Cell) -> bool:
+    """Whether ``cell``'s data was written in place since it was last defined after its failed
+    block: through its data (a plain view of it) or through a wrapper the program held then."""
+    s = cell.storage
+    now = getattr(cell.value, "_version", 0)
+    if rt.versions_after_close.get(s, now) != now:
+        return True
+    for ref, version in rt.wrappers_after_close.get(s, ()):
+        w = ref()
+        if w is not None and getattr(w, "_version", 0) != version:
+            return True
+    return False
 
 
 def _room_for_replay(rt: Runtime, rec: OpRecord) -> None:

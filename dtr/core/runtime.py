@@ -152,6 +152,11 @@ class Runtime:
         # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
         # access] in rematerialize.py): ``events.holdings`` tells the two apart.
         self.kept_by_access: set = set()
+        # After a failed block (Note [A failed block's exit]): per storage, the version counter
+        # of its data when last defined, and the program's wrappers of it with theirs (writes
+        # through a wrapper bump the wrapper's counter only); None otherwise.
+        self.versions_after_close: Optional[dict] = None
+        self.wrappers_after_close: Optional[dict] = None
         self.host = host
         # The host tier's prefetches in flight (Note [Arrival] in host_tier.py), here so that a read checks for
         # them in one lookup and lands or drops them with no call into the tier; without a
@@ -620,6 +625,19 @@ class Runtime:
                 self.budget = None
                 self.unlock(cells)
                 self.flush()
+            else:  # Note [A failed block's exit]
+                self.make_permanent([c.storage.root for c in cells if c.storage.state is RESIDENT])
+                # Version counters are the executor's values' (torch's ``_version``); the
+                # simulator's placeholders have none, and nothing writes them.
+                self.versions_after_close = {
+                    s: getattr(s.value, "_version", 0) for s in self._all if s.value is not None
+                }
+                held: dict = {}
+                for ref in self.live_refs():
+                    w = ref()
+                    if w is not None:
+                        held.setdefault(ref.cell.storage, []).append((ref, getattr(w, "_version", 0)))
+                self.wrappers_after_close = held
         finally:
             self.budget = saved
             self.closed = True
