@@ -242,8 +242,8 @@ def test_a_refused_step_stays_within_its_budget():
 
 
 def _failing_chain(engine, kept, fail=True):
-    """Eight tanh layers of 64 KiB on a shared weight, every activation kept in ``kept``; raises
-    after the forward pass when ``fail``. Returns the loss."""
+    """Eight tanh layers of 64 KiB on a shared weight, every activation kept in ``kept``, then a
+    view of the first (a row); raises after the forward pass when ``fail``. Returns the loss."""
     torch.manual_seed(0)
     w = torch.randn(128, 128, requires_grad=True)
     h = torch.randn(128, 128)
@@ -251,6 +251,7 @@ def _failing_chain(engine, kept, fail=True):
         for _ in range(8):
             h = torch.tanh(h @ w)
             kept.append(h)
+        kept.append(kept[0][0])
         loss = h.sum()
         if fail:
             raise KeyError("the program's own error")
@@ -294,9 +295,18 @@ def test_what_a_failed_block_leaves_is_rebuilt_when_read():
     kept3: list = []  # the program writes one of the failed step's tensors: its dependents cannot be rebuilt
     with pytest.raises(KeyError):
         _failing_chain(dtr.budget(3 * 64 * 1024, cost="estimate"), kept3)
-    first, second = [t for t in kept3 if t._dtr.cell.value is None][:2]
-    assert torch.equal(dtr.materialize(first), eager[0])
+    i, j = [k for k, t in enumerate(kept3[:8]) if t._dtr.cell.value is None][:2]
+    first, second = kept3[i], kept3[j]
+    assert j == i + 1 and torch.equal(dtr.materialize(first), eager[i])
     first.mul_(0)
+    with pytest.raises(dtr.DTRError, match="written in place since"):
+        dtr.materialize(second)
+    kept4: list = []  # the same through a plain tensor of a view the block made (its own counter)
+    with pytest.raises(KeyError):
+        _failing_chain(dtr.budget(3 * 64 * 1024, cost="estimate"), kept4)
+    row, second = kept4[-1], kept4[1]
+    assert second._dtr.cell.value is None  # rebuilt from kept4[0], which the row views
+    dtr.materialize(row).mul_(0)
     with pytest.raises(dtr.DTRError, match="written in place since"):
         dtr.materialize(second)
 

@@ -19,7 +19,7 @@ from dtr.errors import DTRError, ThrashingError
 if TYPE_CHECKING:
     from dtr.core.runtime import Runtime
 
-__all__ = ["materialize", "rebuild_after_close"]
+__all__ = ["materialize", "note_version", "rebuild_after_close"]
 
 _Weak = weakref.ReferenceType
 
@@ -175,7 +175,8 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
     storages refer to each other). A rebuild reads only data as it was: a constant written in
     place since (an optimizer step) is caught at replay, as within a block, and the block's own
     tensors by the version counters ``Runtime.versions_after_close`` took when each was last
-    defined; either is a ``DTRError``, never a value eager would not have given.
+    defined; either is a ``DTRError``. Writes through ``.data`` move no counter that dtr can
+    see (as autograd cannot see them), so a rebuild reads what such a write left.
     """
     if rt.versions_after_close is None:  # its close itself failed: nothing was kept for this
         raise DTRError(f"dtr: {target} of a closed block is undefined and cannot be recomputed")
@@ -192,7 +193,6 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
         if missing:
             stack.extend(missing)
             continue
-        versions = rt.versions_after_close
         for i in rec.inputs:
             if _written_after_close(rt, i):
                 raise DTRError(
@@ -221,21 +221,26 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
             else:
                 s.add_view(cell)
             cell.value = v
-            if s.value is not None:
-                versions[s] = getattr(s.value, "_version", 0)
+            note_version(rt, cell)
         if c.value is None:  # pragma: no cover - would be a runtime bug
             raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
         stack.pop()
     return target.value
 
 
+def note_version(rt: Runtime, cell: Cell) -> None:
+    """Record the version counter of defined ``cell``'s value after a failed block (Note [A
+    failed block's exit]); duck-typed: the simulator's placeholders have none."""
+    rt.versions_after_close.setdefault(cell.storage, {})[cell] = getattr(cell.value, "_version", 0)
+
+
 def _written_after_close(rt: Runtime, cell: Cell) -> bool:
     """Whether ``cell``'s data was written in place since it was last defined after its failed
     block: through its data (a plain view of it) or through a wrapper the program held then."""
     s = cell.storage
-    now = getattr(cell.value, "_version", 0)
-    if rt.versions_after_close.get(s, now) != now:
-        return True
+    for c, version in rt.versions_after_close.get(s, {}).items():
+        if c.value is not None and getattr(c.value, "_version", 0) != version:
+            return True
     for ref, version in rt.wrappers_after_close.get(s, ()):
         w = ref()
         if w is not None and getattr(w, "_version", 0) != version:

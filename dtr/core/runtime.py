@@ -49,7 +49,7 @@ from dtr.core.heuristics import Heuristic
 from dtr.core.lineage import release
 from dtr.core.meter import PeakMeter
 from dtr.core.outputs import fit, new_view, wire
-from dtr.core.rematerialize import materialize
+from dtr.core.rematerialize import materialize, note_version
 from dtr.core.storage import (
     EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
 )
@@ -152,9 +152,10 @@ class Runtime:
         # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
         # access] in rematerialize.py): ``events.holdings`` tells the two apart.
         self.kept_by_access: set = set()
-        # After a failed block (Note [A failed block's exit]): per storage, the version counter
-        # of its data when last defined, and the program's wrappers of it with theirs (writes
-        # through a wrapper bump the wrapper's counter only); None otherwise.
+        # After a failed block (Note [A failed block's exit]): per storage, the version counters
+        # of its cells' values when last defined (a view's value has its own: it was made below
+        # autograd), and the program's wrappers of it with theirs (writes through a wrapper bump
+        # the wrapper's counter only); None otherwise.
         self.versions_after_close: Optional[dict] = None
         self.wrappers_after_close: Optional[dict] = None
         self.host = host
@@ -629,9 +630,11 @@ class Runtime:
                 self.make_permanent([c.storage.root for c in cells if c.storage.state is RESIDENT])
                 # Version counters are the executor's values' (torch's ``_version``); the
                 # simulator's placeholders have none, and nothing writes them.
-                self.versions_after_close = {
-                    s: getattr(s.value, "_version", 0) for s in self._all if s.value is not None
-                }
+                self.versions_after_close = {}
+                for s in self._all:
+                    for c in chain((s,), (w() for w in s.views)):
+                        if c is not None and c.value is not None:
+                            note_version(self, c)
                 held: dict = {}
                 for ref in self.live_refs():
                     w = ref()
