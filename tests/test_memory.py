@@ -8,6 +8,8 @@ it keeps for each random op (5056 bytes on CPU), allowed for explicitly.
 """
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -309,6 +311,31 @@ def test_what_a_failed_block_leaves_is_rebuilt_when_read():
     dtr.materialize(row).mul_(0)
     with pytest.raises(dtr.DTRError, match="written in place since"):
         dtr.materialize(second)
+
+
+def test_a_tensor_kept_from_a_failed_block_keeps_nothing_else():
+    """Keeping the loss of a failed step (a logged ``loss.detach()``) keeps none of the step's
+    other data once the program has dropped the rest: defined live tensors lose their lineage
+    at the exit, and what the exit records of the others is held weakly."""
+    values = []
+
+    def step(engine):
+        torch.manual_seed(0)
+        w = torch.randn(128, 128, requires_grad=True)
+        with engine:
+            h = torch.randn(128, 128)
+            for _ in range(8):
+                h = torch.tanh(h @ w)
+                if h._dtr.cell.value is not None:
+                    values.append(weakref.ref(h._dtr.cell.value))
+            step.kept = h.sum().detach()
+            raise KeyError("the program's own error")
+
+    with pytest.raises(KeyError):
+        step(dtr.budget(3 * 64 * 1024, cost="estimate"))
+    gc.collect()
+    assert values and step.kept.item() != 0
+    assert [v() for v in values if v() is not None] == []
 
 
 def test_a_budget_below_the_gradients_says_so():

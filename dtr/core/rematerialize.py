@@ -9,6 +9,7 @@ is the runtime's, and a second object would only be a second name for it.
 from __future__ import annotations
 
 import weakref
+from itertools import chain
 from typing import TYPE_CHECKING, Any, List
 
 from dtr.core.storage import (
@@ -231,16 +232,19 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
 def note_version(rt: Runtime, cell: Cell) -> None:
     """Record the version counter of defined ``cell``'s value after a failed block (Note [A
     failed block's exit]); duck-typed: the simulator's placeholders have none."""
-    rt.versions_after_close.setdefault(cell.storage, {})[cell] = getattr(cell.value, "_version", 0)
+    rt.versions_after_close[cell] = getattr(cell.value, "_version", 0)
 
 
 def _written_after_close(rt: Runtime, cell: Cell) -> bool:
     """Whether ``cell``'s data was written in place since it was last defined after its failed
     block: through its data (a plain view of it) or through a wrapper the program held then."""
     s = cell.storage
-    for c, version in rt.versions_after_close.get(s, {}).items():
-        if c.value is not None and getattr(c.value, "_version", 0) != version:
-            return True
+    versions = rt.versions_after_close
+    for c in chain((s,), (w() for w in s.views)):
+        if c is not None and c.value is not None:
+            version = versions.get(c)
+            if version is not None and getattr(c.value, "_version", 0) != version:
+                return True
     for ref, version in rt.wrappers_after_close.get(s, ()):
         w = ref()
         if w is not None and getattr(w, "_version", 0) != version:

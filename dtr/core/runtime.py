@@ -152,12 +152,13 @@ class Runtime:
         # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
         # access] in rematerialize.py): ``events.holdings`` tells the two apart.
         self.kept_by_access: set = set()
-        # After a failed block (Note [A failed block's exit]): per storage, the version counters
-        # of its cells' values when last defined (a view's value has its own: it was made below
-        # autograd), and the program's wrappers of it with theirs (writes through a wrapper bump
-        # the wrapper's counter only); None otherwise.
-        self.versions_after_close: Optional[dict] = None
-        self.wrappers_after_close: Optional[dict] = None
+        # After a failed block (Note [A failed block's exit]): per cell, held weakly, the version
+        # counter of its value when last defined (a view's value has its own: it was made below
+        # autograd); per storage, also weakly, the program's wrappers of it with theirs (writes
+        # through a wrapper bump the wrapper's counter only); None otherwise. Weak, so that a
+        # kept tensor keeps no more than what rebuilding it needs.
+        self.versions_after_close: Optional[weakref.WeakKeyDictionary] = None
+        self.wrappers_after_close: Optional[weakref.WeakKeyDictionary] = None
         self.host = host
         # The host tier's prefetches in flight (Note [Arrival] in host_tier.py), here so that a read checks for
         # them in one lookup and lands or drops them with no call into the tier; without a
@@ -630,16 +631,17 @@ class Runtime:
                 self.make_permanent([c.storage.root for c in cells if c.storage.state is RESIDENT])
                 # Version counters are the executor's values' (torch's ``_version``); the
                 # simulator's placeholders have none, and nothing writes them.
-                self.versions_after_close = {}
+                self.versions_after_close = weakref.WeakKeyDictionary()
                 for s in self._all:
                     for c in chain((s,), (w() for w in s.views)):
                         if c is not None and c.value is not None:
                             note_version(self, c)
-                held: dict = {}
+                held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
                 for ref in self.live_refs():
                     w = ref()
                     if w is not None:
-                        held.setdefault(ref.cell.storage, []).append((ref, getattr(w, "_version", 0)))
+                        # A plain weak reference: a Ref holds its cell, and so the key.
+                        held.setdefault(ref.cell.storage, []).append((_weak(w), getattr(w, "_version", 0)))
                 self.wrappers_after_close = held
         finally:
             self.budget = saved
