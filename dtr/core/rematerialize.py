@@ -20,7 +20,7 @@ from dtr.errors import DTRError, ThrashingError
 if TYPE_CHECKING:
     from dtr.core.runtime import Runtime
 
-__all__ = ["materialize", "note_version", "rebuild_after_close"]
+__all__ = ["keep_for_reads", "materialize", "rebuild_after_close"]
 
 _Weak = weakref.ReferenceType
 
@@ -222,17 +222,36 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
             else:
                 s.add_view(cell)
             cell.value = v
-            note_version(rt, cell)
+            rt.versions_after_close[cell] = _version_of(v)
         if c.value is None:  # pragma: no cover - would be a runtime bug
             raise AssertionError(f"dtr internal error: replaying {rec} did not define {c}")
         stack.pop()
     return target.value
 
 
-def note_version(rt: Runtime, cell: Cell) -> None:
-    """Record the version counter of defined ``cell``'s value after a failed block (Note [A
-    failed block's exit]); duck-typed: the simulator's placeholders have none."""
-    rt.versions_after_close[cell] = getattr(cell.value, "_version", 0)
+def keep_for_reads(rt: Runtime) -> None:
+    """At a failed block's close, record what ``_written_after_close`` compares with (Note [A
+    failed block's exit]): the version counter of every defined cell's value, views included
+    (a view's value was made below autograd: it has a counter of its own), and of every wrapper
+    the program holds (a write through a wrapper bumps only the wrapper's). Both held weakly, so
+    that a kept tensor keeps no more than what rebuilding it needs; the wrappers by plain weak
+    references (a ``Ref`` holds its cell, and so would hold the key)."""
+    versions = rt.versions_after_close = weakref.WeakKeyDictionary()
+    for s in rt._all:
+        for c in chain((s,), (w() for w in s.views)):
+            if c is not None and c.value is not None:
+                versions[c] = _version_of(c.value)
+    held = rt.wrappers_after_close = weakref.WeakKeyDictionary()
+    for ref in rt.live_refs():
+        w = ref()
+        if w is not None:
+            held.setdefault(ref.cell.storage, []).append((weakref.ref(w), _version_of(w)))
+
+
+def _version_of(t: Any) -> int:
+    """A value's or wrapper's version counter (torch's ``_version``), duck-typed: the
+    simulator's placeholders have none, and nothing writes them."""
+    return getattr(t, "_version", 0)
 
 
 def _written_after_close(rt: Runtime, cell: Cell) -> bool:
@@ -243,11 +262,11 @@ def _written_after_close(rt: Runtime, cell: Cell) -> bool:
     for c in chain((s,), (w() for w in s.views)):
         if c is not None and c.value is not None:
             version = versions.get(c)
-            if version is not None and getattr(c.value, "_version", 0) != version:
+            if version is not None and _version_of(c.value) != version:
                 return True
     for ref, version in rt.wrappers_after_close.get(s, ()):
         w = ref()
-        if w is not None and getattr(w, "_version", 0) != version:
+        if w is not None and _version_of(w) != version:
             return True
     return False
 

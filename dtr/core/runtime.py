@@ -49,7 +49,7 @@ from dtr.core.heuristics import Heuristic
 from dtr.core.lineage import release
 from dtr.core.meter import PeakMeter
 from dtr.core.outputs import fit, new_view, wire
-from dtr.core.rematerialize import materialize, note_version
+from dtr.core.rematerialize import keep_for_reads, materialize
 from dtr.core.storage import (
     EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
 )
@@ -152,11 +152,8 @@ class Runtime:
         # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
         # access] in rematerialize.py): ``events.holdings`` tells the two apart.
         self.kept_by_access: set = set()
-        # After a failed block (Note [A failed block's exit]): per cell, held weakly, the version
-        # counter of its value when last defined (a view's value has its own: it was made below
-        # autograd); per storage, also weakly, the program's wrappers of it with theirs (writes
-        # through a wrapper bump the wrapper's counter only); None otherwise. Weak, so that a
-        # kept tensor keeps no more than what rebuilding it needs.
+        # After a failed block, the version counters its later reads compare with (written by
+        # ``rematerialize.keep_for_reads``, Note [A failed block's exit]); None otherwise.
         self.versions_after_close: Optional[weakref.WeakKeyDictionary] = None
         self.wrappers_after_close: Optional[weakref.WeakKeyDictionary] = None
         self.host = host
@@ -629,20 +626,7 @@ class Runtime:
                 self.flush()
             else:  # Note [A failed block's exit]
                 self.make_permanent([c.storage.root for c in cells if c.storage.state is RESIDENT])
-                # Version counters are the executor's values' (torch's ``_version``); the
-                # simulator's placeholders have none, and nothing writes them.
-                self.versions_after_close = weakref.WeakKeyDictionary()
-                for s in self._all:
-                    for c in chain((s,), (w() for w in s.views)):
-                        if c is not None and c.value is not None:
-                            note_version(self, c)
-                held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-                for ref in self.live_refs():
-                    w = ref()
-                    if w is not None:
-                        # A plain weak reference: a Ref holds its cell, and so the key.
-                        held.setdefault(ref.cell.storage, []).append((_weak(w), getattr(w, "_version", 0)))
-                self.wrappers_after_close = held
+                keep_for_reads(self)
         finally:
             self.budget = saved
             self.closed = True
