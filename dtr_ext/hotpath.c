@@ -3,7 +3,9 @@
  * ``dispatcher(driver)`` is ``Driver.dispatch`` bound to one driver: it takes the runtime's lock,
  * counts the op, applies queued wrapper deaths (``Runtime.drain``: eager eviction and release),
  * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes)
- * called without keyword arguments itself; every other op goes to ``Driver._route``, in Python.
+ * called without keyword arguments itself, as it does one-view ops and autograd's gradient sums
+ * into a running sum already permanent (``sum_op``: Note [Accumulation in place]); every other
+ * op goes to ``Driver._route`` (other sums to ``Gradients._sum``), in Python.
  *
  * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
  * arguments (inputs, constants, the replay template and its slots), lock the inputs, make room
@@ -45,12 +47,13 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
 
-static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_Call, *T_Ref, *T_UFNode, *T_DTREq;
+static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
+    *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
-    *O_VIEW, *O_DETACH;
+    *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation;
 static PyObject *EMPTY; /* () */
 static int untrack_gc; /* the collector module is native: untrack as it does */
 static int bound;
@@ -86,6 +89,8 @@ static const char *K_NAMES[K_N] = {
     "func", "args", "kwargs", "slots", "rng", "grad", "versions", "derive", "fresh", "consts",
     "clone_args"};
 static Py_ssize_t K_off[K_N];
+enum { K_RECORD = K_live + 1 }; /* OpRecord's own fields: Call's first ones */
+static Py_ssize_t record_off[K_RECORD];
 enum { U_parent, U_cost, U_size, U_N };
 static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
@@ -101,7 +106,8 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
-    *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave;
+    *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
+    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1371,6 +1377,227 @@ static PyObject *alias(PyObject *driver, PyObject *rt, PyObject *base) {
     return w;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Gradient sums (gradients.py): Gradients._summing, and _sum's running sum already permanent
+ * (``_in_place``, ``_add_to_permanent``); the rest of ``_sum`` stays Python. */
+
+/* Gradients._summing(args), called with grad mode off: 1, 0, or -1 on error. */
+static int summing(PyObject *driver, PyObject *rt, PyObject *args) {
+    PyObject *old = PyTuple_GET_ITEM(args, 0), *new = PyTuple_GET_ITEM(args, 1);
+    if (Py_TYPE(old) != T_DTRTensor || !PyObject_TypeCheck(new, T_Tensor) || new == old) return 0;
+    PyObject *task = PyObject_CallNoArgs(O_graph_task_id);
+    if (task == NULL) return -1;
+    long long id = PyLong_AsLongLong(task);
+    Py_DECREF(task);
+    if (id == -1) return PyErr_Occurred() ? -1 : 0;
+    PyObject *ref = SLOT(old, W_dtr);
+    PyObject *c = ref ? SLOT(ref, R_cell) : NULL;
+    PyObject *s = c ? storage_of(c) : NULL;
+    if (s == NULL) { /* a wrapper torch made: whatever the Python path makes of it */
+        PyObject *r = PyObject_CallMethodOneArg(driver, A__summing, args);
+        if (r == NULL) return -1;
+        int t = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        return t;
+    }
+    if (SLOT(s, S_off[S_runtime]) != rt) return 0;
+    if (resolved(rt, ref) == NULL) return -1;
+    PyObject *names[3] = {A_shape, A_dtype, A_device};
+    for (int i = 0; i < 3; i++) {
+        PyObject *a = PyObject_GetAttr(old, names[i]);
+        PyObject *b = a ? PyObject_GetAttr(new, names[i]) : NULL;
+        int eq = b ? PyObject_RichCompareBool(a, b, Py_EQ) : -1;
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (eq <= 0) return eq;
+    }
+    return 1;
+}
+
+/* accumulation.dense(t): 1, 0, or -1 on error. */
+static int dense(PyObject *t) {
+    PyObject *size = call_method0(t, A_size);
+    PyObject *stride = size ? call_method0(t, A_stride) : NULL;
+    long long local[2 * 8], *pairs = local; /* (stride, size) of each dimension of size != 1 */
+    int r = -1;
+    if (stride == NULL) goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(size); /* torch.Size, and stride()'s tuple */
+    if (PyTuple_GET_SIZE(stride) != n) {
+        PyErr_SetString(PyExc_ValueError, "dtr_ext._hotpath: size and stride differ in length");
+        goto done;
+    }
+    if (n > 8 && (pairs = PyMem_New(long long, 2 * n)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long sz = PyLong_AsLongLong(PyTuple_GET_ITEM(size, i));
+        long long st = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
+        if ((sz == -1 || st == -1) && PyErr_Occurred()) goto done;
+        if (sz == 1) continue;
+        /* insertion in (stride, size) order, as Python sorts the pairs */
+        Py_ssize_t j = k++;
+        while (j > 0 && (pairs[2 * j - 2] > st || (pairs[2 * j - 2] == st && pairs[2 * j - 1] > sz))) {
+            pairs[2 * j] = pairs[2 * j - 2];
+            pairs[2 * j + 1] = pairs[2 * j - 1];
+            j--;
+        }
+        pairs[2 * j] = st;
+        pairs[2 * j + 1] = sz;
+    }
+    long long expected = 1;
+    r = 1;
+    for (Py_ssize_t i = 0; i < k && r; i++) {
+        if (pairs[2 * i] != expected) r = 0;
+        expected *= pairs[2 * i + 1];
+    }
+done:
+    if (pairs != local) PyMem_Free(pairs);
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    return r;
+}
+
+/* Gradients._in_place(args) where ``args[0]``'s storage ``s`` has no parent (a running sum
+ * made permanent, so not recomputable): 1, 0, or -1 on error. The checks run in the Python
+ * order: ``accumulation.exclusive`` records what it sees while it calibrates. */
+static int in_place_permanent(PyObject *driver, PyObject *s, PyObject *args) {
+    PyObject *old = PyTuple_GET_ITEM(args, 0);
+    PyObject *node = PyObject_GetAttr(driver, A_node);
+    if (node == NULL) return -1;
+    Py_DECREF(node); /* only compared */
+    if (node == Py_None) return 0;
+    long long from, sid, refs, uses, nbytes, numel, itemsize;
+    if (attr_ll(driver, A_node_from, &from) < 0) return -1;
+    sid = PyLong_AsLongLong(SLOT(s, S_off[S_sid]));
+    refs = PyLong_AsLongLong(SLOT(s, S_off[S_refs]));
+    uses = PyLong_AsLongLong(SLOT(s, S_off[S_uses]));
+    nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
+    if (PyErr_Occurred()) return -1;
+    if (sid >= from) return 0;
+    if (refs != 1 || SLOT(s, S_off[S_state]) == O_EXTERNAL || uses) return 0;
+    PyObject *v = call_method0(old, A_numel);
+    if (v == NULL) return -1;
+    numel = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if ((v = call_method0(old, A_element_size)) == NULL) return -1;
+    itemsize = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (PyErr_Occurred()) return -1;
+    if (numel * itemsize != nbytes) return 0;
+    int d = dense(old);
+    if (d <= 0) return d;
+    /* ``args`` is the only reference to ``old`` held here, as on the Python path; the module's
+     * function as it is now (tests replace it) */
+    PyObject *exclusive = PyObject_GetAttr(O_accumulation, A_exclusive);
+    PyObject *r = exclusive ? PyObject_CallOneArg(exclusive, args) : NULL;
+    Py_XDECREF(exclusive);
+    if (r == NULL) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+/* Runtime.complete(rec, (), ()) for a runtime without a host tier: an op that made nothing.
+ * -1 with the inputs unlocked on error. */
+static int complete_bare(PyObject *rt, PyObject *rec) {
+    PyObject *inputs = SLOT(rec, K_off[K_inputs]), *now = NULL, *work = NULL, *new = NULL;
+    long long clock, memory, high;
+    if (add_attr(rt, A_clock, 1, &clock) < 0 || (now = PyLong_FromLongLong(clock)) == NULL) goto fail;
+    if ((work = PyObject_GetAttr(rt, A_work)) == NULL) goto fail;
+    Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
+    if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
+    if (steal_slot(rec, K_off[K_outputs], PyList_New(0)) < 0) goto fail;
+    if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
+    if (memory > high && set_attr_ll(rt, A__high, memory) < 0) goto fail;
+    if ((new = PyList_New(0)) == NULL || wire(rt, rec, new, now) < 0) goto fail;
+    Py_DECREF(new);
+    Py_DECREF(now);
+    Py_DECREF(work);
+    if (unlock(rt, inputs) < 0) return -1;
+    PyObject *on_op = PyObject_GetAttr(rt, A_on_op);
+    if (on_op == NULL) return -1;
+    PyObject *r = on_op != Py_None ? PyObject_CallOneArg(on_op, rt) : Py_NewRef(Py_None);
+    Py_DECREF(on_op);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+fail:
+    Py_XDECREF(new);
+    Py_XDECREF(now);
+    Py_XDECREF(work);
+    unlock_after_error(rt, inputs); /* the finally of Runtime.complete */
+    return -1;
+}
+
+/* Gradients._add_to_permanent(args): a new reference. */
+static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args) {
+    PyObject *targs = PySequence_List(args), *vals = PySequence_List(args), *inputs = PyList_New(0),
+             *slots = PyList_New(0), *consts = PyList_New(0), *hooks = NULL, *out = NULL,
+             *seconds = NULL, *rec = NULL, *result = NULL;
+    int locked = 0;
+    if (!targs || !vals || !inputs || !slots || !consts) goto done;
+    int r = scan(args, targs, vals, inputs, slots, consts, rt, driver, NULL, &hooks);
+    if (r < 0) goto done;
+    if (r > 0) { /* an input to rematerialize, or another engine's wrapper */
+        result = PyObject_CallMethodOneArg(driver, A__add_to_permanent, args);
+        goto done;
+    }
+    Py_ssize_t ni = PyList_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < ni; i++)
+        if (add_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_locks], 1) < 0) {
+            for (Py_ssize_t j = 0; j < i; j++) add_slot(storage_of(PyList_GET_ITEM(inputs, j)), S_off[S_locks], -1);
+            goto done;
+        }
+    locked = 1;
+    double t0, t1;
+    if (seconds_now(&t0) < 0) goto done;
+    out = PyObject_Vectorcall(SLOT(O_ADD_FACTS, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
+    if (out == NULL || seconds_now(&t1) < 0) goto done;
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, O_ADD_, vals, out, &seconds) < 0)
+        goto done;
+    locked = 0;
+    if (add_seconds(driver, seconds) < 0) {
+        unlock_after_error(rt, inputs);
+        goto done;
+    }
+    PyObject *a[4] = {SLOT(O_ADD_FACTS, F_name), inputs, Py_None, seconds};
+    if ((rec = PyObject_Vectorcall((PyObject *)T_OpRecord, a, 4, NULL)) == NULL) {
+        unlock_after_error(rt, inputs);
+        goto done;
+    }
+    if (complete_bare(rt, rec) < 0) goto done;
+    result = make_wrapper(out, rt, PyList_GET_ITEM(inputs, 0));
+    if (result != NULL) registered++;
+done:
+    if (locked) unlock_after_error(rt, inputs);
+    Py_XDECREF(targs);
+    Py_XDECREF(vals);
+    Py_XDECREF(inputs);
+    Py_XDECREF(slots);
+    Py_XDECREF(consts);
+    Py_XDECREF(hooks);
+    Py_XDECREF(out);
+    Py_XDECREF(seconds);
+    Py_XDECREF(rec);
+    return result;
+}
+
+/* Gradients._sum(facts, args) once ``summing`` holds: natively where ``old``'s storage is a
+ * permanent running sum that can be written in place, else the Python method (which tests
+ * ``_in_place`` again: a pure function once calibrated). */
+static PyObject *sum_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *args) {
+    PyObject *s = storage_of(SLOT(SLOT(PyTuple_GET_ITEM(args, 0), W_dtr), R_cell)); /* resolved by summing */
+    if (SLOT(s, S_off[S_parent]) == Py_None) {
+        int in_place = in_place_permanent(driver, s, args);
+        if (in_place < 0) return NULL;
+        if (in_place) return add_to_permanent(driver, rt, args);
+    }
+    PyObject *a[3] = {driver, facts, args};
+    return PyObject_VectorcallMethod(A__sum, a, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
 static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
     if (argc != 4 || !PyTuple_Check(argv[3])) {
         PyErr_SetString(PyExc_TypeError, "run_simple(driver, facts, func, args: tuple)");
@@ -1444,16 +1671,14 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
         }
     } else if (SLOT(facts, F_simple) == Py_True && no_kwargs) {
         if (func == O_ADD && PyTuple_GET_SIZE(args) == 2) {
-            /* Gradients.__summing's conditions hold only with grad mode off: ask it then */
+            /* Gradients._summing's conditions hold only with grad mode off: test them then */
             PyObject *grad = PyObject_CallNoArgs(O_is_grad_enabled);
             if (grad == NULL) goto done;
             Py_DECREF(grad);
-            PyObject *summing = grad == Py_True ? Py_NewRef(Py_False) : PyObject_CallMethodOneArg(driver, A__summing, args);
-            if (summing == NULL) goto done;
-            Py_DECREF(summing);
-            if (summing == Py_True) {
-                PyObject *a[3] = {driver, facts, args};
-                result = PyObject_VectorcallMethod(A__sum, a, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            int sums = grad == Py_True ? 0 : summing(driver, rt, args);
+            if (sums < 0) goto done;
+            if (sums) {
+                result = sum_op(driver, rt, facts, args);
                 goto done;
             }
         }
@@ -1617,6 +1842,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(DTRTensor);
     GET_TYPE(Storage);
     GET_TYPE(Cell);
+    GET_TYPE(OpRecord);
     GET_TYPE(Call);
     GET_TYPE(Ref);
     GET_TYPE(UFNode);
@@ -1641,6 +1867,11 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(facts_for);
     GET(current_node);
     GET(ADD);
+    GET(ADD_);
+    GET(ADD_FACTS);
+    GET(EXTERNAL);
+    GET(graph_task_id);
+    GET(accumulation);
     GET(FALLBACK);
     GET(Facts);
     PyObject *u = PyDict_GetItemString(config, "untrack_gc");
@@ -1660,8 +1891,18 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
-        same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0)
+        same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0 ||
+        same_fields(T_OpRecord, K_NAMES, K_RECORD, record_off) < 0)
         return NULL;
+    for (int i = 0; i < K_RECORD; i++)
+        if (record_off[i] != K_off[i]) {
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Call must keep OpRecord's slots where OpRecord has them");
+            return NULL;
+        }
+    if (Py_TYPE(O_ADD_FACTS) != (PyTypeObject *)O_Facts) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.bind: ADD_FACTS must be an OpFacts");
+        return NULL;
+    }
     if (T_Storage->tp_alloc != PyType_GenericAlloc || T_Call->tp_alloc != PyType_GenericAlloc ||
         T_Cell->tp_alloc != PyType_GenericAlloc || T_UFNode->tp_alloc != PyType_GenericAlloc) {
         PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: Storage, Cell, Call and UFNode must be plain classes");
@@ -1675,7 +1916,14 @@ static PyObject *count(PyObject *module, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(registered);
 }
 
+static PyObject *dense_py(PyObject *module, PyObject *t) {
+    int d = dense(t);
+    if (d < 0) return NULL;
+    return PyBool_FromLong(d);
+}
+
 static PyMethodDef methods[] = {
+    {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
     {"dispatcher", (PyCFunction)dispatcher, METH_O,
@@ -1713,7 +1961,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
     INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
-    INTERN(_on_release); INTERN(host); INTERN(leave);
+    INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
+    INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dtr
-from dtr.eager import accumulation
+from dtr.eager import accumulation, native
 from dtr.sim import load
 from dtr.testing.memory import profiled_peak
 
@@ -41,6 +41,8 @@ def _shared_weight_step(engine=None, batch=2, op="matmul"):
         (lambda: torch.empty(3, 1, 4)[:, :, ::1], True),
         (lambda: torch.empty(3, 8)[:, :4], False),  # gaps
         (lambda: torch.empty(4).expand(3, 4), False),  # overlaps
+        (lambda: torch.empty([2] * 10).permute(*range(9, -1, -1)), True),  # many dimensions
+        (lambda: torch.empty([2] * 9 + [4])[..., :2], False),
     ],
 )
 def test_dense_is_torchs_non_overlapping_and_dense(make, dense):
@@ -48,6 +50,10 @@ def test_dense_is_torchs_non_overlapping_and_dense(make, dense):
 
     t = make()
     assert accumulation.dense(t) == dense == is_non_overlapping_and_dense_or_false(t)
+    if native.NATIVE:  # hotpath.c's twin, which decides the sums the native path runs
+        from dtr_ext import _hotpath
+
+        assert _hotpath.dense(t) == dense
 
 
 def test_calibration_finds_the_exclusive_counts():

@@ -209,6 +209,93 @@ def test_both_paths_record_and_evict_alike(name, fraction, observed):
     assert_same(result, run_step(zoo.build(name, "tiny"), fresh_model(zoo.build(name, "tiny")), "eager"))
 
 
+def _sums_step(limit=None, python=False):
+    """A step whose backward sums gradients every way the native path decides: a weight used
+    nine times (its running sum written in place), one used through ``F.linear`` (gradients
+    arriving transposed), a tensor used three ways whose gradients a hook keeps (never
+    written in place), and a backward formula that adds a vector to a summed gradient (an
+    ``add`` in the backward that is no sum: the shapes differ). Returns the gradients, what
+    the hook kept, the graph after the backward, the evictions after each op, and the stats;
+    with ``limit=False``, eager's."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    v = torch.randn(16, 16, requires_grad=True)
+    u = torch.randn(64, 16, requires_grad=True)
+    x = torch.randn(64, 16)
+    kept = []
+    engine = dtr.budget(limit, cost="estimate") if limit is not False else None
+    graph = None
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted:
+        with engine if engine is not None else contextlib.nullcontext():
+            h = x * 1
+            for _ in range(8):
+                h = torch.tanh(h @ w)
+            for _ in range(4):
+                h = torch.tanh(torch.nn.functional.linear(h, v))
+            h = _Shifted.apply(h, u)
+            h = h * h + h  # used twice: its gradient is a sum
+            a = h @ w
+            branches = [torch.tanh(a), a * a, torch.sin(a)]
+            for b in branches:
+                b.grad_fn.register_hook(lambda grad_inputs, grad_outputs: kept.extend(grad_inputs))
+            sum(branches).sum().backward()
+            if engine is not None:
+                graph = _graph(engine.runtime)
+            kept = [dtr.materialize(g).clone() for g in kept if g is not None]
+    return [w.grad, v.grad], kept, graph, evicted, engine and engine.stats()
+
+
+class _Shifted(torch.autograd.Function):
+    """``x``, whose gradient comes back shifted by the first row of ``p``, a leaf of ``x``'s
+    shape that gets no gradient: a broadcasting ``add`` of the incoming gradient inside a
+    backward formula whose node leads to a leaf of the sum's shape (were it taken for a sum,
+    it would be made permanent as a parameter's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.save_for_backward(p)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return g + p[0].detach(), None
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@pytest.mark.parametrize("exclusive", [True, False])
+@needs_native
+def test_both_paths_sum_gradients_alike(fraction, exclusive, monkeypatch):
+    """Sums into a running sum made permanent run natively (hotpath.c's ``sum_op``; the Python
+    ``_add_to_permanent`` is not called) and leave the graph, the evictions after each op, the
+    stats, the gradients and what a hook kept exactly as the Python path does; also where the
+    exclusivity test says no to every sum (then nothing is written in place)."""
+    from dtr.eager import accumulation
+    from dtr.eager.driver import Driver
+
+    accumulation.calibrate()  # its own block, once per process: not one of the logged ones
+    if not exclusive:
+        monkeypatch.setattr(accumulation, "exclusive", lambda args: False)
+    grads, kept, _, _, _ = _sums_step(False)
+    limit = None
+    if fraction is not None:
+        limit = budget_at(_sums_step(None, python=True)[4], fraction)
+    calls = []
+    add = Driver._add_to_permanent
+    monkeypatch.setattr(Driver, "_add_to_permanent", lambda d, args: calls.append(1) or add(d, args))
+    got = _sums_step(limit)
+    native_calls = len(calls)
+    want = _sums_step(limit, python=True)
+    assert native_calls == 0  # the native path wrote the running sums itself
+    assert (len(calls) > 0) == exclusive  # and the Python path did, where it could
+    assert got[2] == want[2] and got[3] == want[3] and got[4] == want[4]
+    assert (got[4].evictions > 0) == (fraction is not None)
+    for g, w, e in zip(got[0], want[0], grads):
+        assert torch.equal(g, w) and torch.equal(g, e)
+    assert len(got[1]) == len(kept) == len(want[1]) > 0
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got[1], want[1], kept))
+
+
 def _run(program, seed, limit, python, observed):
     """``run_dtr`` on one path: its outcome (None if out of budget), evictions and error."""
     with _python_path() if python else contextlib.nullcontext(), _evictions(observed) as evicted:

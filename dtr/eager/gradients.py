@@ -118,9 +118,13 @@ class Gradients:
             ref.cell = rt.resolve(c)
         return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
 
-    def _in_place(self, old: DTRTensor, args) -> bool:
-        """Whether nothing but autograd's buffer can see a write to ``old``."""
-        s = old._dtr.cell.storage
+    def _in_place(self, args) -> bool:
+        """Whether nothing but autograd's buffer can see a write to ``args[0]``.
+
+        Reads it through ``args`` only, binding no name to it: the exclusivity test counts
+        references (``accumulation.exclusive``), and the counts must be those the native path
+        (hotpath.c) sees, whichever path measured them (``calibrate``)."""
+        s = args[0]._dtr.cell.storage
         if self.node is None or s.sid >= self.node_from:
             # Made while this node runs: a temporary of its backward formula, which C++ may read
             # again, not a gradient autograd's buffer holds (counts cannot tell them apart).
@@ -129,7 +133,7 @@ class Gradients:
             # The last: a write would make what reads it permanent first (before_write).
             return False
         # The whole of its storage, densely (a weight's gradient often arrives transposed).
-        if old.numel() * old.element_size() != s.nbytes or not accumulation.dense(old):
+        if args[0].numel() * args[0].element_size() != s.nbytes or not accumulation.dense(args[0]):
             return False
         return accumulation.exclusive(args)
 
@@ -138,18 +142,19 @@ class Gradients:
         of ``old``'s storage, or over ``old``'s cell when that storage is already a permanent
         sum) where nothing else can see the write, out of place otherwise;
         made permanent when it is a parameter's gradient or extends a chain of sums."""
-        old = args[0]
         rt = self.rt
-        s = old._dtr.cell.storage
+        s = args[0]._dtr.cell.storage
         chained = accumulation.summed(s)
-        if self._in_place(old, args):
+        if self._in_place(args):  # before ``old`` is bound: it counts references
             if s.parent is None:  # a running sum already permanent (Note [Accumulation in place])
                 return self._add_to_permanent(args)
+            old = args[0]
             self._run(_ADD_FACTS, _ADD_, args, {})
             ref = old._dtr
             cell = ref.cell = rt.resolve(ref.cell)
             out = make_wrapper(old, rt, cell)
         else:
+            old = args[0]
             out = self._run(facts, _ADD, args, {})
             if type(out) is not DTRTensor:
                 return out

@@ -29,8 +29,8 @@ from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
-from dtr.core.storage import EVICTED, RELEASED, RESIDENT, SWAPPED, Cell, Storage
-from dtr.eager import output_size
+from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
+from dtr.eager import accumulation, output_size
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
@@ -51,7 +51,7 @@ def _config() -> dict:
     """What ``_hotpath.bind`` needs: the classes, functions and constants the native path uses."""
     return {
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
-        "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
+        "OpRecord": OpRecord, "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
         "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
@@ -61,7 +61,9 @@ def _config() -> dict:
         "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
         "untrack_gc": collector.NATIVE, "FACTS": FACTS, "facts_for": facts_for,
         "current_node": getattr(torch._C, "_current_autograd_node", lambda: None),
-        "ADD": torch.ops.aten.add.Tensor,
+        "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor,
+        "ADD_FACTS": facts_for(torch.ops.aten.add_.Tensor), "EXTERNAL": EXTERNAL,
+        "graph_task_id": torch._C._current_graph_task_id, "accumulation": accumulation,
     }
 
 
