@@ -93,6 +93,45 @@ def test_materialize_returns_plain_and_stops_charging():
         dtr.materialize(3)
 
 
+@pytest.mark.parametrize("read", ["materialize", "tolist", "repr", "after a failed block"])
+def test_a_read_under_autocast_replays_the_op_as_recorded(read):
+    """An evicted float32 matmul read under ``torch.autocast`` by a read that replays outside
+    dispatch comes back as recorded, not cast to bfloat16: autocast had already run when the
+    engine saw the op."""
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    expected = x @ w
+
+    def evicted(engine):
+        y = x @ w
+        keep = y + 1  # keeps y's lineage: y can be evicted
+        s = y._dtr.cell.storage
+        assert engine.runtime.evict([s]) == s.nbytes
+        return y, keep
+
+    def got(y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if read == "tolist":
+                return torch.tensor(y.tolist())
+            if read == "repr":
+                assert repr(y).replace("DTRTensor", "tensor") == repr(expected)
+                return dtr.materialize(y.detach())
+            return dtr.materialize(y)
+
+    engine = dtr.budget(None, cost="estimate")
+    if read == "after a failed block":
+        with pytest.raises(RuntimeError, match="the step failed"), engine:
+            y, keep = evicted(engine)
+            raise RuntimeError("the step failed")
+    else:
+        with engine:
+            y, keep = evicted(engine)
+            value = got(y)
+            assert value.dtype == torch.float32 and torch.equal(value, expected)
+        return
+    value = got(y)
+    assert value.dtype == torch.float32 and torch.equal(value, expected)
+
+
 def test_grads_are_plain_and_optimizers_checkpoints_work():
     w = build("transformer")
     eager_model = fresh_model(w)

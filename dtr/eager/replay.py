@@ -18,6 +18,8 @@ Replays restore what the op depended on besides its arguments (Invariant 4):
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -38,6 +40,13 @@ _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.D
     torch._C.DispatchKey.PythonTLSSnapshot
 )
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+# Autocast runs above Python dispatch: an op the engine saw was cast already, so its replay
+# must not be cast again where the read that triggers it runs under an autocast (a read
+# outside dispatch: ``dtr.materialize``, a failed block's tensors read afterwards).
+_AUTOCAST_KEYS = functools.reduce(
+    operator.or_,
+    (torch._C.DispatchKeySet(k) for n, k in torch._C.DispatchKey.__members__.items() if n.startswith("Autocast")),
+)
 
 
 class Call(OpRecord):
@@ -166,9 +175,10 @@ def derive(cell, root_value: torch.Tensor) -> torch.Tensor:
 def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
     """Run ``rec`` again (see module docstring). Returns output values and cost in seconds.
 
-    A replay runs where the original kernel ran: below autograd (a replay can be triggered
-    from outside dispatch: a hook, ``dtr.materialize``, autograd unpacking a saved tensor) and
-    under the recorded grad mode, for every kernel it calls, view derivations included.
+    A replay runs where the original kernel ran: below autograd and autocast (a replay can be
+    triggered from outside dispatch: a hook, ``dtr.materialize``, autograd unpacking a saved
+    tensor) and under the recorded grad mode, for every kernel it calls, view derivations
+    included.
     """
     inputs = rec.inputs
     consts = rec.consts
@@ -180,7 +190,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
         if own_dispatch(consts[j]):
             guard = _subclass_dispatch
             break
-    with guard(), _below_autograd(), torch.set_grad_enabled(rec.grad):
+    with guard(), _below_autograd(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS), torch.set_grad_enabled(rec.grad):
         clones = [clone_root(inputs[m].value) for m in range(rec.versions)]
         if rec.derive:
             deriv = rec.derive
