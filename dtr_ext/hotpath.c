@@ -1091,11 +1091,51 @@ static int add_seconds(PyObject *driver, PyObject *seconds) {
     return r;
 }
 
+/* What ``Driver._scan`` fills for one op's positional arguments: the replay template, the
+ * values, the input cells with their slots, the constants (and parameters hooked on the way). */
+typedef struct {
+    PyObject *targs, *vals, *inputs, *slots, *consts, *hooks;
+} Scanned;
+
+/* Scan ``args`` into ``sc`` (every field set or NULL): 0 done, 1 the Python path must run the
+ * op, -1 error. ``scanned_clear`` releases ``sc`` in every case. */
+static int scan_args(PyObject *args, PyObject *rt, PyObject *driver, Scanned *sc) {
+    sc->targs = PySequence_List(args);
+    sc->vals = PySequence_List(args);
+    sc->inputs = PyList_New(0);
+    sc->slots = PyList_New(0);
+    sc->consts = PyList_New(0);
+    sc->hooks = NULL;
+    if (!sc->targs || !sc->vals || !sc->inputs || !sc->slots || !sc->consts) return -1;
+    return scan(args, sc->targs, sc->vals, sc->inputs, sc->slots, sc->consts, rt, driver, NULL, &sc->hooks);
+}
+
+static void scanned_clear(Scanned *sc) {
+    Py_CLEAR(sc->targs);
+    Py_CLEAR(sc->vals);
+    Py_CLEAR(sc->inputs);
+    Py_CLEAR(sc->slots);
+    Py_CLEAR(sc->consts);
+    Py_CLEAR(sc->hooks);
+}
+
+/* Runtime.acquire where every input is defined: lock them (-1, none locked, on error). */
+static int lock_defined(PyObject *inputs) {
+    Py_ssize_t n = PyList_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (add_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_locks], 1) < 0) {
+            /* unreachable for int slots; undo the locks taken */
+            for (Py_ssize_t j = 0; j < i; j++) add_slot(storage_of(PyList_GET_ITEM(inputs, j)), S_off[S_locks], -1);
+            return -1;
+        }
+    return 0;
+}
+
 /* Driver._run for a simple op called without keyword arguments (a new reference), or
  * FALLBACK having changed nothing but resolved wrappers and hooked parameters (header). */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
-    PyObject *rt = NULL, *targs = NULL, *vals = NULL, *inputs = NULL, *slots = NULL,
-             *consts = NULL, *hooks = NULL, *out = NULL, *grad = NULL, *result = NULL, *sized = NULL;
+    PyObject *rt = NULL, *out = NULL, *grad = NULL, *result = NULL, *sized = NULL;
+    Scanned sc = {NULL, NULL, NULL, NULL, NULL, NULL};
     int locked = 0, room = 0;
     if (SLOT(facts, F_random) != Py_False) return Py_NewRef(O_FALLBACK);
     rt = PyObject_GetAttr(driver, A_rt);
@@ -1117,24 +1157,12 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         }
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    targs = PySequence_List(args);
-    vals = PySequence_List(args);
-    inputs = PyList_New(0);
-    slots = PyList_New(0);
-    consts = PyList_New(0);
-    if (!targs || !vals || !inputs || !slots || !consts) goto error;
-    int r = scan(args, targs, vals, inputs, slots, consts, rt, driver, NULL, &hooks);
+    int r = scan_args(args, rt, driver, &sc);
     if (r < 0) goto error;
     if (r > 0) goto fallback;
-    /* Runtime.acquire: every input is defined */
+    PyObject *targs = sc.targs, *vals = sc.vals, *inputs = sc.inputs, *slots = sc.slots, *consts = sc.consts;
     Py_ssize_t ni = PyList_GET_SIZE(inputs);
-    for (Py_ssize_t i = 0; i < ni; i++) {
-        if (add_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_locks], 1) < 0) {
-            /* unreachable for int slots; undo the locks taken */
-            for (Py_ssize_t j = 0; j < i; j++) add_slot(storage_of(PyList_GET_ITEM(inputs, j)), S_off[S_locks], -1);
-            goto error;
-        }
-    }
+    if (lock_defined(inputs) < 0) goto error;
     locked = 1;
     if (room) { /* Driver._make_room: the size's key, to correct by what the op makes */
         sized = PyObject_CallMethodObjArgs(driver, A__make_room, facts, func, vals, O_no_kwargs, NULL);
@@ -1230,19 +1258,14 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
 error_seconds:
     Py_DECREF(seconds);
 error:
-    if (locked) unlock_after_error(rt, inputs);
+    if (locked) unlock_after_error(rt, sc.inputs);
     result = NULL;
     goto done;
 fallback:
     result = Py_NewRef(O_FALLBACK);
 done:
     Py_XDECREF(rt);
-    Py_XDECREF(targs);
-    Py_XDECREF(vals);
-    Py_XDECREF(inputs);
-    Py_XDECREF(slots);
-    Py_XDECREF(consts);
-    Py_XDECREF(hooks);
+    scanned_clear(&sc);
     Py_XDECREF(out);
     Py_XDECREF(grad);
     Py_XDECREF(sized);
@@ -1533,23 +1556,17 @@ fail:
 
 /* Gradients._add_to_permanent(args): a new reference. */
 static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args) {
-    PyObject *targs = PySequence_List(args), *vals = PySequence_List(args), *inputs = PyList_New(0),
-             *slots = PyList_New(0), *consts = PyList_New(0), *hooks = NULL, *out = NULL,
-             *seconds = NULL, *rec = NULL, *result = NULL;
+    PyObject *out = NULL, *seconds = NULL, *rec = NULL, *result = NULL;
+    Scanned sc;
     int locked = 0;
-    if (!targs || !vals || !inputs || !slots || !consts) goto done;
-    int r = scan(args, targs, vals, inputs, slots, consts, rt, driver, NULL, &hooks);
+    int r = scan_args(args, rt, driver, &sc);
     if (r < 0) goto done;
     if (r > 0) { /* an input to rematerialize, or another engine's wrapper */
         result = PyObject_CallMethodOneArg(driver, A__add_to_permanent, args);
         goto done;
     }
-    Py_ssize_t ni = PyList_GET_SIZE(inputs);
-    for (Py_ssize_t i = 0; i < ni; i++)
-        if (add_slot(storage_of(PyList_GET_ITEM(inputs, i)), S_off[S_locks], 1) < 0) {
-            for (Py_ssize_t j = 0; j < i; j++) add_slot(storage_of(PyList_GET_ITEM(inputs, j)), S_off[S_locks], -1);
-            goto done;
-        }
+    PyObject *vals = sc.vals, *inputs = sc.inputs;
+    if (lock_defined(inputs) < 0) goto done;
     locked = 1;
     double t0, t1;
     if (seconds_now(&t0) < 0) goto done;
@@ -1571,13 +1588,8 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     result = make_wrapper(out, rt, PyList_GET_ITEM(inputs, 0));
     if (result != NULL) registered++;
 done:
-    if (locked) unlock_after_error(rt, inputs);
-    Py_XDECREF(targs);
-    Py_XDECREF(vals);
-    Py_XDECREF(inputs);
-    Py_XDECREF(slots);
-    Py_XDECREF(consts);
-    Py_XDECREF(hooks);
+    if (locked) unlock_after_error(rt, sc.inputs);
+    scanned_clear(&sc);
     Py_XDECREF(out);
     Py_XDECREF(seconds);
     Py_XDECREF(rec);
