@@ -16,7 +16,7 @@ from dtr.scope import Engine
 from dtr.core import Runtime, State, collector
 from dtr.core.storage import Cell
 from dtr.core.heuristics import LRU
-from dtr.testing.step import budget_at
+from dtr.testing.step import budget_at, fresh_model, run_step
 from dtr.testing.zoo import MODELS, build
 
 WIDTH = 32
@@ -295,6 +295,38 @@ def test_records_of_a_block_whose_exit_failed_are_freed(storages_made, monkeypat
             monkeypatch.setattr(Driver, "replay", fail)
     assert engine.stats().evictions > 0 and _alive(storages_made)
     del held
+    assert not _alive(storages_made)
+
+
+# A fraction of each zoo model's unlimited run (``budget_at``) that refuses its step midway.
+_REFUSED_AT = {"mlp": 0.1, "cnn": 0.3, "resnet": 0.3, "transformer": 0.2, "lstm": 0.2, "lstmcell": 0.2,
+               "treelstm": 0.05}
+
+
+# PyTorch leaks part of an autograd graph when an op of its backward pass raises (a
+# TorchDispatchMode raising there leaks plain tensors the same way, with no dtr involved:
+# pytorch/pytorch#82218, "OOM during backward() leads to memory leaks"). Here the refusal comes
+# mid-backward for every model; the graph's nodes left alive hold these two models' wrappers.
+_LEAKED_BY_AUTOGRAD = pytest.mark.xfail(
+    strict=True, reason="pytorch#82218: an exception inside a backward op leaks part of the graph"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(m, marks=_LEAKED_BY_AUTOGRAD) if m in ("lstmcell", "treelstm") else m for m in MODELS],
+)
+def test_a_step_refused_midway_is_freed(name, storages_made):
+    """A step refused by its budget in its backward pass, whose error's traceback held the
+    autograd graph, leaves nothing alive once the program has handled the error, beyond what
+    PyTorch itself leaks (above)."""
+    w = build(name)
+    model = fresh_model(w)
+    unlimited = run_step(w, fresh_model(w), None, cost="estimate").stats
+    storages_made.clear()
+    with pytest.raises(dtr.OutOfBudgetError):
+        run_step(w, model, dtr.budget(budget_at(unlimited, _REFUSED_AT[name]), cost="estimate"))
+    assert len(storages_made) > 5
     assert not _alive(storages_made)
 
 
