@@ -5,7 +5,7 @@
  * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes)
  * called without keyword arguments itself, as it does one-view ops and autograd's gradient sums
  * into a running sum already permanent (``sum_op``: Note [Accumulation in place]); every other
- * op goes to ``Driver._route`` (other sums to ``Gradients._sum``), in Python.
+ * op goes to ``Driver._route`` (other sums to ``Gradients._sum`` or ``_sum_as``), in Python.
  *
  * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
  * arguments (inputs, constants, the replay template and its slots), lock the inputs, make room
@@ -107,7 +107,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
-    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive;
+    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1596,15 +1596,17 @@ done:
     return result;
 }
 
-/* Gradients._sum(facts, args) once ``summing`` holds: natively where ``old``'s storage is a
- * permanent running sum that can be written in place, else the Python method (which tests
- * ``_in_place`` again: a pure function once calibrated). */
+/* Gradients._sum(facts, args) once ``summing`` holds: where ``old``'s storage is a permanent
+ * running sum, ``_in_place`` here, then natively if it holds, else ``Gradients._sum_as`` with
+ * the answer (``exclusive`` is asked once, as on the Python path); other sums go to ``_sum``. */
 static PyObject *sum_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *args) {
     PyObject *s = storage_of(SLOT(SLOT(PyTuple_GET_ITEM(args, 0), W_dtr), R_cell)); /* resolved by summing */
     if (SLOT(s, S_off[S_parent]) == Py_None) {
         int in_place = in_place_permanent(driver, s, args);
         if (in_place < 0) return NULL;
         if (in_place) return add_to_permanent(driver, rt, args);
+        PyObject *a[4] = {driver, facts, args, Py_False};
+        return PyObject_VectorcallMethod(A__sum_as, a, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     PyObject *a[3] = {driver, facts, args};
     return PyObject_VectorcallMethod(A__sum, a, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -1974,7 +1976,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
     INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
-    INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive);
+    INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -213,8 +213,9 @@ def _sums_step(limit=None, python=False):
     """A step whose backward sums gradients every way the native path decides: a weight used
     nine times (its running sum written in place), one used through ``F.linear`` (gradients
     arriving transposed), a tensor used three ways whose gradients a hook keeps (never
-    written in place), and a backward formula that adds a vector to a summed gradient (an
-    ``add`` in the backward that is no sum: the shapes differ). Returns the gradients, what
+    written in place), a running sum a hook keeps while a view of it is summed into again,
+    and a backward formula that adds a vector to a summed gradient (an ``add`` in the
+    backward that is no sum: the shapes differ). Returns the gradients, what
     the hook kept, the graph after the backward, the evictions after each op, and the stats;
     with ``limit=False``, eager's."""
     torch.manual_seed(0)
@@ -238,11 +239,18 @@ def _sums_step(limit=None, python=False):
             branches = [torch.tanh(a), a * a, torch.sin(a)]
             for b in branches:
                 b.grad_fn.register_hook(lambda grad_inputs, grad_outputs: kept.extend(grad_inputs))
-            sum(branches).sum().backward()
+            # A running sum a hook keeps, and that a transpose's backward passes on as a view
+            # before it is summed into again: two wrappers over its storage.
+            p = x @ u.t()
+            doubled = p * 2  # made before ``q``: its backward runs after TBackward's
+            q = p.t()
+            r = torch.tanh(q) + torch.sin(q) + q * q
+            q.grad_fn.register_hook(lambda grad_inputs, grad_outputs: kept.append(grad_outputs[0]))
+            (sum(branches).sum() + r.sum() + doubled.sum()).backward()
             if engine is not None:
                 graph = _graph(engine.runtime)
             kept = [dtr.materialize(g).clone() for g in kept if g is not None]
-    return [w.grad, v.grad], kept, graph, evicted, engine and engine.stats()
+    return [w.grad, v.grad, u.grad], kept, graph, evicted, engine and engine.stats()
 
 
 class _Shifted(torch.autograd.Function):
@@ -283,11 +291,15 @@ def test_both_paths_sum_gradients_alike(fraction, exclusive, monkeypatch):
     calls = []
     add = Driver._add_to_permanent
     monkeypatch.setattr(Driver, "_add_to_permanent", lambda d, args: calls.append(1) or add(d, args))
+    asked = []
+    test = accumulation.exclusive
+    monkeypatch.setattr(accumulation, "exclusive", lambda args: asked.append(1) or test(args))
     got = _sums_step(limit)
-    native_calls = len(calls)
+    native_calls, native_asked = len(calls), len(asked)
     want = _sums_step(limit, python=True)
     assert native_calls == 0  # the native path wrote the running sums itself
     assert (len(calls) > 0) == exclusive  # and the Python path did, where it could
+    assert native_asked == len(asked) - native_asked > 0  # the exclusivity test, as often
     assert got[2] == want[2] and got[3] == want[3] and got[4] == want[4]
     assert (got[4].evictions > 0) == (fraction is not None)
     for g, w, e in zip(got[0], want[0], grads):

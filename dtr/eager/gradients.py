@@ -142,10 +142,15 @@ class Gradients:
         of ``old``'s storage, or over ``old``'s cell when that storage is already a permanent
         sum) where nothing else can see the write, out of place otherwise;
         made permanent when it is a parameter's gradient or extends a chain of sums."""
+        return self._sum_as(facts, args, self._in_place(args))  # before ``old`` is bound
+
+    def _sum_as(self, facts, args, in_place: bool) -> Any:
+        """``_sum`` once ``_in_place(args)`` is known (the native path tests it itself where
+        ``old``'s storage is a permanent sum, and asks no second time)."""
         rt = self.rt
         s = args[0]._dtr.cell.storage
         chained = accumulation.summed(s)
-        if self._in_place(args):  # before ``old`` is bound: it counts references
+        if in_place:
             if s.parent is None:  # a running sum already permanent (Note [Accumulation in place])
                 return self._add_to_permanent(args)
             old = args[0]
