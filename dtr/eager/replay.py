@@ -43,9 +43,12 @@ _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 # Autocast runs above Python dispatch: an op the engine saw was cast already, so its replay
 # must not be cast again where the read that triggers it runs under an autocast (a read
 # outside dispatch: ``dtr.materialize``, a failed block's tensors read afterwards).
-_AUTOCAST_KEYS = functools.reduce(
-    operator.or_,
-    (torch._C.DispatchKeySet(k) for n, k in torch._C.DispatchKey.__members__.items() if n.startswith("Autocast")),
+_no_autocast = functools.partial(
+    torch._C._ExcludeDispatchKeyGuard,
+    functools.reduce(
+        operator.or_,
+        (torch._C.DispatchKeySet(k) for n, k in torch._C.DispatchKey.__members__.items() if n.startswith("Autocast")),
+    ),
 )
 
 
@@ -190,7 +193,7 @@ def replay(rec, estimate: bool) -> Tuple[Sequence[Any], float]:
         if own_dispatch(consts[j]):
             guard = _subclass_dispatch
             break
-    with guard(), _below_autograd(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS), torch.set_grad_enabled(rec.grad):
+    with guard(), _below_autograd(), _no_autocast(), torch.set_grad_enabled(rec.grad):
         clones = [clone_root(inputs[m].value) for m in range(rec.versions)]
         if rec.derive:
             deriv = rec.derive
