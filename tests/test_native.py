@@ -12,6 +12,9 @@ import contextlib
 import dataclasses
 import gc
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -369,3 +372,24 @@ def test_a_record_class_changed_without_hotpath_c_turns_the_native_path_off():
             native.run_simple(None, None, None, ())
     finally:
         _hotpath.bind(native._config())
+
+
+# The engine's property tests: the stateful machine, random programs against eager, the
+# simulator against real runs, and the heuristics.
+_PROPERTY_TESTS = ("test_runtime_stateful.py", "test_programs.py", "test_sim.py", "test_heuristics.py")
+
+
+@needs_native
+def test_the_engine_property_tests_pass_without_the_native_path():
+    """The suite runs with the native path; the Python path it mirrors must stand on its own
+    too (issue 20): the engine's property tests, in a child process with ``DTR_PUREPYTHON=1``
+    (which turns off the native collector too, where ``_python_path`` only drops the per-op
+    path)."""
+    here = Path(__file__).parent
+    env = dict(os.environ, DTR_PUREPYTHON="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(here / f) for f in _PROPERTY_TESTS)],
+        env=env, cwd=here.parent, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
