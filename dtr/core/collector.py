@@ -31,7 +31,8 @@ untracked as they are made (``outputs.new_view``, ``wire``, ``translate``, ``add
 cycle through a view cell also passes through a storage's ``parent`` link (the cell is the
 input of a record whose output's dependents lead back to it), and ``give_back`` returns at
 ``close`` the views of the storages left, the view chains their records read, and the cells
-of live wrappers and of deaths not yet applied: a failed ``close`` keeps the runtime's tables,
+of live wrappers and of deaths not yet applied, each with the cells ``translate`` made from it
+on newer versions of its storage (untracked as they are made, as views are): a failed ``close`` keeps the runtime's tables,
 and a cycle through the runtime and one of them would keep it alive for good. Views are most of what the collector still saw in
 loops whose cells split their gates into views and write them in place (the LSTMCell loop's
 ``gc ms`` in ``bench_runtime.py --sections models``, README). Wrappers
@@ -105,13 +106,19 @@ def _give_back_record(rec: Any) -> None:
 
 def _give_back_view(c: Any) -> None:
     """``c`` and the records up to its storage, when it is a view cell (a storage is its own
-    root cell)."""
-    while c.storage is not c:
-        track(c)
-        rec = c.parent
-        if rec is None:
-            return
-        track(rec, rec.inputs, rec.outputs)
-        if not rec.inputs:
-            return
-        c = rec.inputs[0]
+    root cell), and the same for the cells it was translated to on newer versions of its
+    storage (``translate``, which untracks them as it makes them)."""
+    work = [c]
+    while work:
+        c = work.pop()
+        while c.storage is not c:
+            track(c)
+            if c.forward is not None:
+                work.append(c.forward)
+            rec = c.parent
+            if rec is None:
+                break
+            track(rec, rec.inputs, rec.outputs)
+            if not rec.inputs:
+                break
+            c = rec.inputs[0]
