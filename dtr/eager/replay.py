@@ -18,8 +18,6 @@ Replays restore what the op depended on besides its arguments (Invariant 4):
 from __future__ import annotations
 
 import contextlib
-import functools
-import operator
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -42,14 +40,9 @@ _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.D
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 # Autocast runs above Python dispatch: an op the engine saw was cast already, so its replay
 # must not be cast again where the read that triggers it runs under an autocast (a read
-# outside dispatch: ``dtr.materialize``, a failed block's tensors read afterwards).
-_no_autocast = functools.partial(
-    torch._C._ExcludeDispatchKeyGuard,
-    functools.reduce(
-        operator.or_,
-        (torch._C.DispatchKeySet(k) for n, k in torch._C.DispatchKey.__members__.items() if n.startswith("Autocast")),
-    ),
-)
+# outside dispatch: ``dtr.materialize``, a failed block's tensors read afterwards). Excludes
+# every Autocast dispatch key, whichever device.
+_no_autocast = torch._C._DisableAutocast
 
 
 class Call(OpRecord):
