@@ -13,6 +13,17 @@ Note [Block lifecycle]
   been evicted (typically: activations saved for a ``backward()`` that runs after the block),
   they are recomputed at exit, and a warning says so.
 - Blocks do not nest (a clear error); one engine may be entered again, its statistics add up.
+
+Note [A failed backward's pending nodes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When an op of a backward pass raises (a refusal of the budget, most often), PyTorch keeps the
+failed pass's pending autograd nodes, and the tensors they saved, until the next backward on
+the same thread: a bare ``TorchDispatchMode`` raising at one op of an ``nn.LSTMCell`` loop's
+backward leaves a third of the step's tensors alive until then (torch 2.13, CPU). The program's
+next try would run its forward with them still allocated, and on a device near capacity fail
+for memory the budget never saw. So a block that an exception leaves, outside any backward
+pass, ends with a backward of its own over one scalar, which lets them go
+(``tests/test_leaks.py``).
 """
 
 from __future__ import annotations
@@ -267,6 +278,8 @@ class Engine:
             _local.engine = None
             self._absorb(driver)
             self._driver = self._mode = None
+            if exc_type is not None:
+                _release_failed_backward()
         if recomputed and exc_type is None:
             warn(
                 f"dtr: {recomputed} ops were replayed at block exit to recompute tensors that "
@@ -472,3 +485,12 @@ def budget(
     if unknown:
         raise TypeError(f"dtr.budget() got unknown option(s) {unknown}; known options: {list(_OPTIONS)}")
     return Engine(limit, heuristic=heuristic, **options)
+
+
+def _release_failed_backward() -> None:
+    """Note [A failed backward's pending nodes]: run a backward over one scalar, unless a
+    backward pass is running (the block ended inside one) or autograd is off."""
+    if torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled():
+        return
+    with torch.enable_grad():
+        torch.ones((), requires_grad=True).mul(2).backward()
