@@ -489,8 +489,13 @@ def budget(
 
 def _release_failed_backward() -> None:
     """Note [A failed backward's pending nodes]: run a backward over one scalar, unless a
-    backward pass is running (the block ended inside one) or autograd is off."""
+    backward pass is running (the block ended inside one) or autograd is off. Best effort:
+    where it cannot run (inside a ``torch.func`` transform, under a mode that refuses its
+    ops) the program's own error must still be the one that reaches it."""
     if torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled():
         return
-    with torch.enable_grad():
-        torch.ones((), requires_grad=True).mul(2).backward()
+    try:
+        with torch.enable_grad():
+            torch.ones((), requires_grad=True).mul(2).backward()
+    except Exception:
+        pass

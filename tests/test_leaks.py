@@ -321,6 +321,41 @@ def test_a_step_refused_midway_is_freed(name, storages_made):
     assert not _alive(storages_made)
 
 
+def test_a_failed_close_gives_back_each_translated_view_once(monkeypatch):
+    """A chain of views four deep, each written through and read fourteen times under a budget
+    that evicts (every write translates the views of the storage to its new version), then a
+    failed block: the close hands each cell back to the collector once, where following every
+    translation from every path made millions of calls."""
+    calls = []
+    track = collector.track
+    monkeypatch.setattr(collector, "track", lambda *objs: calls.append(len(objs)) or track(*objs))
+    with pytest.raises(KeyError, match="own error"):
+        with dtr.budget(40 * 16 * 1024, cost="estimate"):
+            chain = [torch.randn(64, 64) * 1]
+            for _ in range(4):
+                chain.append(chain[-1][1:])
+            kept = []
+            for _ in range(14):
+                for v in chain[1:]:
+                    v.add_(1)
+                    kept.append(v * 2)
+            raise KeyError("the program's own error")
+    assert 0 < len(calls) < 5000, len(calls)
+
+
+def test_a_failed_block_inside_vmap_raises_the_programs_error():
+    """Where the exit's backward cannot run (a ``torch.func`` transform), the program's own
+    error is the one that reaches it (Note [A failed backward's pending nodes])."""
+
+    def f(x):
+        with dtr.budget(None):
+            (x * 2).tanh()
+            raise KeyError("the program's own error")
+
+    with pytest.raises(KeyError, match="own error"):
+        torch.func.vmap(f)(torch.randn(2, 3))
+
+
 class ReleaseFails(LRU):
     """LRU whose ``on_release`` raises ``RuntimeError(message)`` once, after ``armed`` is set."""
 

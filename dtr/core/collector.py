@@ -82,10 +82,11 @@ def give_back(storages: Iterable[Any], cells: Iterable[Any] = ()) -> None:
     still holds (live wrappers', deaths not yet applied), with the records each is derived by
     (Note [Untracked records]). After a failed ``close`` the runtime keeps them all, and a
     cycle through any of them would otherwise keep the runtime alive."""
+    seen: set = set()  # view cells given back: each once, however many paths lead to it
     for s in storages:
         track(s)
         if s.parent is not None:
-            _give_back_record(s.parent)
+            _give_back_record(s.parent, seen)
         if s.dependents:
             track(s.dependents)
         if s.views:
@@ -93,25 +94,26 @@ def give_back(storages: Iterable[Any], cells: Iterable[Any] = ()) -> None:
             for w in s.views:
                 c = w()
                 if c is not None:
-                    _give_back_view(c)
+                    _give_back_view(c, seen)
     for c in cells:
-        _give_back_view(c)
+        _give_back_view(c, seen)
 
 
-def _give_back_record(rec: Any) -> None:
+def _give_back_record(rec: Any, seen: set) -> None:
     track(rec, rec.inputs, rec.outputs, rec.use_storages)
     for c in rec.inputs:
-        _give_back_view(c)
+        _give_back_view(c, seen)
 
 
-def _give_back_view(c: Any) -> None:
+def _give_back_view(c: Any, seen: set) -> None:
     """``c`` and the records up to its storage, when it is a view cell (a storage is its own
     root cell), and the same for the cells it was translated to on newer versions of its
-    storage (``translate``, which untracks them as it makes them)."""
+    storage (``translate``, which untracks them as it makes them); none twice (``seen``)."""
     work = [c]
     while work:
         c = work.pop()
-        while c.storage is not c:
+        while c.storage is not c and id(c) not in seen:
+            seen.add(id(c))
             track(c)
             if c.forward is not None:
                 work.append(c.forward)
