@@ -20,7 +20,7 @@ from dtr.errors import DTRError, ThrashingError
 if TYPE_CHECKING:
     from dtr.core.runtime import Runtime
 
-__all__ = ["keep_for_reads", "materialize", "rebuild_after_close"]
+__all__ = ["keep_for_reads", "let_go", "materialize", "rebuild_after_close"]
 
 _Weak = weakref.ReferenceType
 
@@ -172,8 +172,10 @@ def rebuild_after_close(rt: Runtime, target: Cell) -> Any:
     lineage, as at any block's end, so that keeping one (a logged loss) keeps nothing else. A
     cell the program reads afterwards (an op on the wrapper, ``dtr.materialize``, autograd
     unpacking a saved tensor) is rebuilt here on first use, outside any budget as after any
-    block; what nobody reads is freed with its wrapper, by the cyclic collector (records and
-    storages refer to each other). A rebuild reads only data as it was: a constant written in
+    block. Records and storages refer to each other, so reference counting alone would leave
+    what was kept to the cyclic collector, and a retry at a smaller batch would start with the
+    refused try's memory allocated: when the last wrapper the block left dies, ``let_go`` drops
+    it all. A rebuild reads only data as it was: a constant written in
     place since (an optimizer step) is caught at replay, as within a block, and the block's own
     tensors by the version counters ``Runtime.versions_after_close`` took when each was last
     defined; either is a ``DTRError``. Writes through ``.data`` move no counter that dtr can
@@ -246,6 +248,24 @@ def keep_for_reads(rt: Runtime) -> None:
         w = ref()
         if w is not None:
             held.setdefault(ref.cell.storage, []).append((weakref.ref(w), _version_of(w)))
+    rt.kept_after_close = weakref.WeakSet(rt._all)
+
+
+def let_go(rt: Runtime) -> None:
+    """Note [A failed block's exit]: the last wrapper a failed block left has died, so nothing
+    can read what its close kept. Drop the kept storages' data and cut their lineage, which
+    frees the records, their payloads and the storages now rather than at the cyclic
+    collector's next full pass. It runs inside the dying wrapper's weakref callback (any
+    thread, any code) without the runtime's lock: with no wrapper left, nothing else reaches
+    these storages."""
+    kept, rt.kept_after_close = rt.kept_after_close, None
+    if kept is None:
+        return
+    for s in list(kept):
+        s.state = RELEASED
+        s.parent = None
+        s.dependents = ()
+        rt._drop_values(s)
 
 
 def _version_of(t: Any) -> int:

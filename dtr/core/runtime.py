@@ -49,7 +49,7 @@ from dtr.core.heuristics import Heuristic
 from dtr.core.lineage import release
 from dtr.core.meter import PeakMeter
 from dtr.core.outputs import fit, new_view, wire
-from dtr.core.rematerialize import keep_for_reads, materialize
+from dtr.core.rematerialize import keep_for_reads, let_go, materialize
 from dtr.core.storage import (
     EVICTED, RELEASED, RESIDENT, Cell, OpRecord, State, Storage, carry_views, translate,
 )
@@ -156,6 +156,8 @@ class Runtime:
         # ``rematerialize.keep_for_reads``, Note [A failed block's exit]); None otherwise.
         self.versions_after_close: Optional[weakref.WeakKeyDictionary] = None
         self.wrappers_after_close: Optional[weakref.WeakKeyDictionary] = None
+        # ... and the storages it kept, dropped with the last wrapper it left (``let_go``).
+        self.kept_after_close: "Optional[weakref.WeakSet[Storage]]" = None
         self.host = host
         # The host tier's prefetches in flight (Note [Arrival] in host_tier.py), here so that a read checks for
         # them in one lookup and lands or drops them with no call into the tier; without a
@@ -199,9 +201,14 @@ class Runtime:
         return ref
 
     def _on_wrapper_death(self, ref: Ref) -> None:
-        # May run on any thread, inside any code (garbage collection): only queue.
-        if self._refs.pop(id(ref), None) is not None and not self.closed:
+        # May run on any thread, inside any code (garbage collection): only queue, except for
+        # the last wrapper a failed block left, which nothing of this runtime can be using.
+        if self._refs.pop(id(ref), None) is None:
+            return
+        if not self.closed:
             self._dead.append(ref.cell)
+        elif not self._refs:
+            let_go(self)
 
     def live_refs(self) -> List[Ref]:
         """Refs of wrappers that are still alive."""
@@ -635,7 +642,10 @@ class Runtime:
                 self.host.land()
             if self._untrack is not None:
                 collector.give_back(self._all, chain((r.cell for r in self._refs.values()), self._dead))
-        self._refs.clear()
+        if self.kept_after_close is None:
+            self._refs.clear()
+        elif not self._refs:  # the program holds none of the failed block's tensors
+            let_go(self)
         self.resident.clear()
         self._all.clear()
         self._index = None

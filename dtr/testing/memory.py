@@ -14,7 +14,7 @@ from typing import Callable, Iterable, List, Tuple, Union
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["memory_events", "peak_bytes", "profiled_peak", "measured_peak"]
+__all__ = ["memory_events", "peak_bytes", "profiled_peak", "measured_peak", "left_allocated"]
 
 
 def memory_events(prof) -> List[Tuple[int, int]]:
@@ -53,3 +53,19 @@ def measured_peak(fn: Callable[[], object], device: Union[str, torch.device] = "
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
+
+
+def left_allocated(fn: Callable[[], object], device: Union[str, torch.device] = "cpu") -> int:
+    """Run ``fn()``; the bytes it left allocated on ``device`` (allocated and not freed): the
+    sum of the profiler's memory events on CPU, the change in ``torch.cuda.memory_allocated``
+    on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        return sum(nbytes for _, nbytes in memory_events(prof))
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) - base
