@@ -15,6 +15,10 @@ Sections (``--sections``):
   median step and its host time (as in ``overhead``), evictions, replays, and the true peak (``torch.cuda.max_memory_allocated`` of
   the step, less what was allocated before it) next to the budget, with the caching
   allocator's ``memory_reserved`` peak beside it.
+- ``turns``: eager, ``dtr.budget(None)`` and each of ``--fractions`` taking turns in one
+  process, ``--rounds`` rounds of ``--repeats`` steps each, one engine per setting: the host
+  time of a step under a budget against no budget, free of the drift between processes and
+  over time that separate sections see (one row per setting, a median per round).
 - ``checkpoint``: Hugging Face's ``gradient_checkpointing_enable()`` (GPT-2) and
   ``checkpoint_sequential`` (ResNet-50, sqrt(n) segments), their time and true peak; then dtr
   with its budget at that measured peak.
@@ -249,6 +253,33 @@ def section_budgets(case, device, args):
             break
 
 
+def section_turns(case, device, args):
+    stats = unlimited_stats(case)
+    settings = {"eager": None, "unlimited": dtr.budget(None)}
+    settings.update((f"{f:g}", dtr.budget(budget_at(stats, f))) for f in args.fractions)
+    for name, engine in list(settings.items()):
+        try:
+            repeat(case, device, 2, engine)  # warm-up; each engine learns its ops' sizes
+        except dtr.OutOfBudgetError as e:
+            del settings[name]
+            yield dict(section="turns", setting=name, budget=engine.budget, status=type(e).__name__, error=str(e)[:300])
+    rounds = {name: [] for name in settings}
+    counts = {}
+    for _ in range(args.rounds):
+        for name, engine in settings.items():
+            before = engine.stats() if engine is not None else None
+            rounds[name].append(repeat(case, device, args.repeats, engine))
+            if engine is not None:
+                after = engine.stats()
+                counts[name] = ((after.evictions - before.evictions) / args.repeats,
+                                (after.rematerializations - before.rematerializations) / args.repeats)
+    for name, times in rounds.items():
+        evictions, replays = counts.get(name, (0, 0))
+        yield dict(section="turns", setting=name, status="ok",
+                   budget=None if settings[name] is None else settings[name].budget, step_s=[t for t, _ in times], host_s=[h for _, h in times], evictions=evictions, replays=replays,
+                   repeats=args.repeats)
+
+
 def section_checkpoint(case, device, args):
     if case.checkpointed is None:
         return
@@ -411,8 +442,8 @@ def _spearman(a, b):
     return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
-SECTIONS = {"overhead": section_overhead, "budgets": section_budgets, "checkpoint": section_checkpoint,
-            "cost": section_cost}
+SECTIONS = {"overhead": section_overhead, "budgets": section_budgets, "turns": section_turns,
+            "checkpoint": section_checkpoint, "cost": section_cost}
 
 
 # ------------------------------------------------------------------------------ report
@@ -433,6 +464,13 @@ def describe(row):
         return (f"fraction {row['fraction']:.2f}: {row['ratio']:.3f}x (host {row['dtr_host_s'] * 1e3:.1f} ms, "
                 f"eager's {row['eager_host_s'] * 1e3:.1f})  evictions {row['evictions']}/step, "
                 f"replays {row['replays']}/step  {mem}")
+    if s == "turns":
+        if row["status"] != "ok":
+            return f"{row['setting']:9} {row['status']}: {row['error'][:120]}"
+        host = " ".join(f"{h * 1e3:6.1f}" for h in row["host_s"])
+        step = " ".join(f"{t * 1e3:6.1f}" for t in row["step_s"])
+        return (f"{row['setting']:9} host ms {host}  step ms {step}  "
+                f"evictions {row['evictions']:.1f}/step, replays {row['replays']:.1f}/step")
     if s == "checkpoint":
         out = f"checkpointing {row['checkpoint_ratio']:.3f}x at {(row['checkpoint_true_peak'] or 0) / MiB:.1f} MiB"
         if row.get("status") == "ok":
@@ -504,11 +542,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS) + ["batch"],
-                    default=["overhead", "budgets", "checkpoint", "cost", "batch"])
+                    default=["overhead", "budgets", "turns", "checkpoint", "cost", "batch"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", choices=["gpu", "tiny"], default="gpu")
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.9, 0.67, 0.45, 0.3, 0.2, 0.1])
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per point (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the turns section")
     ap.add_argument("--cap-gib", type=float, default=8.0, help="memory cap of the batch section")
     ap.add_argument("--dtr-margin", type=float, default=0.15, help="share of the cap dtr's budget leaves to kernels' scratch")
     ap.add_argument("--batch-seconds", type=float, default=25.0, help="search time per model and method")

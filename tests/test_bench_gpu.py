@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))  # benchmark scripts import their siblings b
 import bench_gpu  # noqa: E402
 
 CPU = torch.device("cpu")
-ARGS = Namespace(repeats=1, fractions=[0.9, 0.5, 0.01])
+ARGS = Namespace(repeats=1, rounds=2, fractions=[0.9, 0.5, 0.01])
 
 
 @pytest.mark.parametrize("name", sorted(bench_gpu.BUILDERS))
@@ -31,7 +31,12 @@ def test_sections_on_cpu(name):
     assert statuses[0] == "ok" and statuses[-1] != "ok"  # down to the first fraction that cannot run
     assert all(s == "ok" for s in statuses[:-1]) and "OutOfBudgetError" in statuses[-1]
     assert all(r["evictions"] >= 0 and r["replays"] >= 0 for r in budgets if r["status"] == "ok")
-    for row in list(budgets) + [overhead]:
+    turns = list(bench_gpu.section_turns(case, CPU, ARGS))  # settings taking turns; 0.01 refused
+    assert [r["setting"] for r in turns] == ["0.01", "eager", "unlimited", "0.9", "0.5"]
+    assert "OutOfBudgetError" in turns[0]["status"] and all(r["status"] == "ok" for r in turns[1:])
+    assert all(len(r["host_s"]) == 2 and len(r["step_s"]) == 2 for r in turns[1:])
+    assert turns[2]["evictions"] == 0 and turns[4]["evictions"] > 0
+    for row in list(budgets) + turns + [overhead]:
         assert bench_gpu.describe(dict(row, model=name))
     checkpoint = list(bench_gpu.section_checkpoint(case, CPU, ARGS))
     assert len(checkpoint) == (case.checkpointed is not None)
