@@ -613,8 +613,9 @@ class Runtime:
         Recomputation stays under the budget when the live tensors fit in it; otherwise the
         budget is lifted (the block is over, and they must all be resident from now on). After
         a block that ``failed`` (an exception left it), live cells that are not defined stay
-        so, with their lineage, until the program reads them (Note [A failed block's exit] in
-        rematerialize.py); with a host tier they are defined as after any block."""
+        so, with their lineage, until the program reads them, and the lineage goes with the
+        last of their wrappers (Note [A failed block's exit] in rematerialize.py); with a host
+        tier they are defined as after any block."""
         saved = self.budget
         try:  # whatever fails here (a heuristic's hook in drain), the finally ends the block
             self.drain()
