@@ -338,20 +338,23 @@ def test_a_tensor_kept_from_a_failed_block_keeps_nothing_else():
     assert [v() for v in values if v() is not None] == []
 
 
-def test_a_failed_block_lets_go_with_the_last_tensor_the_program_drops():
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_failed_block_lets_go_with_the_last_tensor_the_program_drops(traced, tmp_path):
     """What a failed block's close kept lasts while the program holds any of its tensors (the
     last activation it left evicted is rebuilt after every other wrapper died), and
     every byte of it is freed when the program drops that last one, by reference counting
     (``rematerialize.let_go``): the profiler's memory events over the whole try sum to zero
-    with the cyclic collector off."""
+    with the cyclic collector off. Also for an engine that writes a trace (its runtime logs
+    wrapper deaths its own way)."""
     eager: list = []
     _failing_chain(contextlib.nullcontext(), eager, fail=False)
     rebuilt = []
+    options = dict(trace=str(tmp_path / "failed.jsonl")) if traced else {}
 
     def failed_try():
         kept: list = []
         with pytest.raises(KeyError):
-            _failing_chain(dtr.budget(3 * 64 * 1024, cost="estimate"), kept)
+            _failing_chain(dtr.budget(3 * 64 * 1024, cost="estimate", **options), kept)
         i = max(k for k, t in enumerate(kept[:8]) if t._dtr.cell.value is None)
         last = kept[i]
         del kept
@@ -366,6 +369,48 @@ def test_a_failed_block_lets_go_with_the_last_tensor_the_program_drops():
         gc.enable()
     assert rebuilt == [True]
     assert sum(nbytes for _, nbytes in memory_events(prof)) == 0
+
+
+def test_a_finalizer_reads_a_failed_blocks_tensor_during_a_collection():
+    """Note [Letting go after a collection]: a garbage cycle whose ``__del__`` reads the last
+    tensor a failed block left, collected by a young-generation pass while the block's runtime
+    sits in an older one, reads eager's value (the wrapper's weakref callback comes before the
+    finalizer); what the block kept is dropped when the collection ends."""
+    eager: list = []
+    _failing_chain(contextlib.nullcontext(), eager, fail=False)
+    read = []
+
+    class Logger:
+        def __init__(self, t, i):
+            self.t, self.i, self.me = t, i, self  # a reference cycle
+
+        def __del__(self):
+            read.append(torch.equal(dtr.materialize(self.t), eager[self.i]))
+
+    gc.collect()
+    gc.disable()
+    try:
+        kept: list = []
+        torch.manual_seed(0)
+        w = torch.randn(128, 128)  # no autograd graph, whose saved tensors would outlive kept[7]
+        h = torch.randn(128, 128)
+        with pytest.raises(KeyError):
+            with dtr.budget(3 * 64 * 1024, cost="estimate"):
+                for k in range(8):
+                    h = torch.tanh(h @ w)
+                    kept.append(h)
+                    if k == 0:
+                        gc.collect()  # the runtime grows old, as a long block's passes make it
+                raise KeyError("the program's own error")
+        rt = kept[0]._dtr.cell.storage.runtime
+        Logger(kept[7], 7)
+        del kept, h
+        assert rt.kept_after_close is not None
+        gc.collect(0)
+    finally:
+        gc.enable()
+    assert read == [True]
+    assert rt.kept_after_close is None
 
 
 def test_a_budget_below_the_gradients_says_so():

@@ -8,6 +8,7 @@ is the runtime's, and a second object would only be a second name for it.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from itertools import chain
 from typing import TYPE_CHECKING, Any, List
@@ -252,12 +253,20 @@ def keep_for_reads(rt: Runtime) -> None:
 
 
 def let_go(rt: Runtime) -> None:
-    """Note [A failed block's exit]: the last wrapper a failed block left has died, so nothing
-    can read what its close kept. Drop the kept storages' data and cut their lineage, which
-    frees the records, their payloads and the storages now rather than at the cyclic
-    collector's next full pass. It runs inside the dying wrapper's weakref callback (any
-    thread, any code) without the runtime's lock: with no wrapper left, nothing else reaches
-    these storages."""
+    """Note [A failed block's exit]: the last wrapper a failed block left has died, so the
+    program can no longer read what its close kept: drop the kept storages' data and cut their
+    lineage, which frees the records, their payloads and the storages by reference counting.
+    It runs inside the dying wrapper's weakref callback (any thread, any code) without the
+    runtime's lock: with no wrapper left, only a finalizer of the same garbage can still reach
+    them, and a collection runs those after the weakref callbacks, so during one the drop waits
+    for its end (Note [Letting go after a collection])."""
+    if _collecting:
+        _after_collection.append(rt)
+    else:
+        _drop_kept(rt)
+
+
+def _drop_kept(rt: Runtime) -> None:
     kept, rt.kept_after_close = rt.kept_after_close, None
     if kept is None:
         return
@@ -266,6 +275,29 @@ def let_go(rt: Runtime) -> None:
         s.parent = None
         s.dependents = ()
         rt._drop_values(s)
+
+
+# Note [Letting go after a collection]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In a collection CPython clears the weakrefs to the garbage and calls their callbacks before
+# it runs the garbage's finalizers; a ``__del__`` there may still read a failed block's tensor
+# (a logger's, a generator's ``finally``). The wrapper's callback comes first, and the runtime
+# may sit in an older generation than the cycle, so nothing else delays it. So while a
+# collection runs, ``let_go`` only queues; the collection's "stop" callback drops what was
+# queued. A tensor a finalizer resurrects is still dropped: reading it is a ``DTRError``.
+_collecting = False
+_after_collection: List[Any] = []
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+    if not _collecting:
+        while _after_collection:
+            _drop_kept(_after_collection.pop())
+
+
+gc.callbacks.append(_on_collection)
 
 
 def _version_of(t: Any) -> int:

@@ -64,8 +64,11 @@ class RecordingRuntime(Runtime):
         return ref
 
     def _on_wrapper_death(self, ref) -> None:
-        # Queue the ref id with the cell, so that the free is logged when it is applied.
-        if self._refs.pop(id(ref), None) is not None and not self.closed:
+        # Queue the ref id with the cell, so that the free is logged when it is applied; after
+        # the close, as any runtime (a failed block's last wrapper lets go of what it kept).
+        if self.closed:
+            super()._on_wrapper_death(ref)
+        elif self._refs.pop(id(ref), None) is not None:
             self._dead.append((ref.cell, self._rids.pop(id(ref))))
 
     def drain(self) -> None:
