@@ -346,7 +346,7 @@ def test_a_refused_step_frees_its_memory_without_the_collector(name):
             finally:
                 model.zero_grad(set_to_none=True)
 
-    tries()  # a first refusal fills caches kept for the process (1 MiB on CUDA for the MLP)
+    tries()  # a first try fills what a process keeps (1 MiB on CUDA for the MLP; README, limitations)
     refused.clear()
     gc.collect()
     gc.disable()
