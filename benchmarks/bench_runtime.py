@@ -2,8 +2,9 @@
 
 Two sections (the runtime issue's benchmark):
 
-1. ``small``: loops of small ops on 64x64 float32 tensors (elementwise ops, matmul + tanh, and
-   a matmul + tanh chain with forward and backward), timed eagerly, under a trivial
+1. ``small``: loops of small ops on 64x64 float32 tensors (elementwise ops, matmul + tanh, a
+   matmul + tanh chain with forward and backward, in-place ops, and an op with two outputs:
+   the last two take the general Python path, the others the native one), timed eagerly, under a trivial
    ``TorchDispatchMode`` that only calls ``func(*args, **kwargs)`` (PyTorch's Python-dispatch
    floor, ``passthrough_raw``: without the ``torch._disable_dynamo`` wrapper torch puts around
    every mode's ``__torch_dispatch__``, which imports ``torch._dynamo``; ``DTRMode`` has none
@@ -346,7 +347,17 @@ def small_workloads(n: int, size: int = 64) -> Dict[str, Callable[[], None]]:
             y = torch.tanh(y @ p)
         y.sum().backward()
 
-    return {"elementwise": elementwise, "matmul": matmul, "matmul_fwd_bwd": matmul_fwd_bwd}
+    def in_place():  # mul_, add_ on a tensor the loop made: every write makes a new version
+        y = x * 1.0
+        for _ in range(n // 2):
+            y.mul_(0.5).add_(x)
+
+    def two_outputs():  # var_mean: two new tensors from one op
+        for _ in range(n):
+            torch.var_mean(x, 1)
+
+    return {"elementwise": elementwise, "matmul": matmul, "matmul_fwd_bwd": matmul_fwd_bwd,
+            "in_place": in_place, "two_outputs": two_outputs}
 
 
 def small_series(fn: Callable[[], None]) -> List[Series]:
