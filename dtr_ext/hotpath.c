@@ -2,10 +2,11 @@
  *
  * ``dispatcher(driver)`` is ``Driver.dispatch`` bound to one driver: it takes the runtime's lock,
  * counts the op, applies queued wrapper deaths (``Runtime.drain``: eager eviction and release),
- * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes)
- * called without keyword arguments itself, as it does one-view ops and autograd's gradient sums
- * into a running sum already permanent (``sum_op``: Note [Accumulation in place]); every other
- * op goes to ``Driver._route`` (other sums to ``Gradients._sum`` or ``_sum_as``), in Python.
+ * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes) or
+ * ``facts.several`` (several new tensors, no writes) called without keyword arguments itself,
+ * as it does one-view ops and autograd's gradient sums into a running sum already permanent
+ * (``sum_op``: Note [Accumulation in place]); every other op goes to ``Driver._route`` (other
+ * sums to ``Gradients._sum`` or ``_sum_as``), in Python.
  *
  * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
  * arguments (inputs, constants, the replay template and its slots), lock the inputs, make room
@@ -18,7 +19,9 @@
  * hooked (which the Python path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
  * ``Driver._register_one`` (the Python continuation), evicting for the budget to
- * ``outputs.fit``.
+ * ``outputs.fit``. An op of ``facts.several`` runs the same way up to the kernel; then
+ * ``several_outputs`` registers its new strided tensors in one ``Call`` and hands back None
+ * and empty outputs as they are, and any other outcome goes to ``Driver._register_several``.
  *
  * The Python code stays the definition: this file mirrors it statement for statement, calls the
  * heuristic's hooks, ``lineage.release`` and the rarer branches in Python, and works on the
@@ -69,7 +72,7 @@ static Py_ssize_t C_off[C_N];
 #define C_index C_off[C_INDEX]
 #define C_value C_off[C_VALUE]
 #define C_forward C_off[C_FORWARD]
-static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_kind, F_one_view, F_view_of;
+static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_several, F_kind, F_one_view, F_view_of;
 enum {
     S_runtime, S_sid, S_nbytes, S_state, S_locks, S_refs, S_uses, S_last_access, S_cost, S_parent,
     S_index, S_value, S_views, S_dependents, S_forward, S_hdata, S_slot, S_protected, S_backward,
@@ -107,7 +110,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
-    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as;
+    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -687,8 +690,8 @@ static void unlock_after_error(PyObject *rt, PyObject *inputs) {
     }
 }
 
-/* Runtime._new_storage(nbytes, rec, 0, value, now): a new reference. */
-static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyObject *value,
+/* Runtime._new_storage(nbytes, rec, index, value, now): a new reference. */
+static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, Py_ssize_t index, PyObject *value,
                              PyObject *now, PyObject *cost) {
     long long sid;
     if (add_attr(rt, A__sid, 1, &sid) < 0) return NULL;
@@ -698,7 +701,8 @@ static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyOb
     PyObject *backward = PyObject_GetAttr(rt, A__backward);
     int made_backward = backward ? PyObject_IsTrue(backward) : -1;
     if (zero == NULL || made_backward < 0 || steal_slot(s, S_off[S_sid], PyLong_FromLongLong(sid)) < 0 ||
-        steal_slot(s, S_off[S_nbytes], PyLong_FromLongLong(nbytes)) < 0) {
+        steal_slot(s, S_off[S_nbytes], PyLong_FromLongLong(nbytes)) < 0 ||
+        steal_slot(s, S_off[S_index], PyLong_FromSsize_t(index)) < 0) {
         Py_XDECREF(backward);
         Py_XDECREF(zero);
         Py_DECREF(s);
@@ -712,7 +716,6 @@ static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, PyOb
     set_slot(s, S_off[S_last_access], now);
     set_slot(s, S_off[S_cost], cost);
     set_slot(s, S_off[S_parent], rec);
-    set_slot(s, S_off[S_index], zero);
     set_slot(s, S_off[S_value], value);
     set_slot(s, S_off[S_views], EMPTY);
     set_slot(s, S_off[S_dependents], EMPTY);
@@ -858,12 +861,14 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, PyObject 
     return c;
 }
 
-/* Runtime.complete(rec, (), ((nbytes, value, base),)) for a runtime without a host tier: the
- * output's cell (a new storage, or with ``base`` a view of it; a new reference), or NULL with
- * the inputs unlocked. */
-static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObject *value, PyObject *base) {
+/* Runtime.complete(rec, (), fresh) for a runtime without a host tier, where ``fresh`` is
+ * ``n`` new storages (``nbytes[i]``, ``values[i]``), or with ``base`` one view of it: the
+ * first output's cell (a new reference; the others are in ``rec.outputs``), or NULL with the
+ * inputs unlocked. */
+static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long long *nbytes,
+                          PyObject *const *values, PyObject *base) {
     PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
-    long long clock, memory, high;
+    long long clock, memory, high, added = 0;
     if (add_attr(rt, A_clock, 1, &clock) < 0) goto fail;
     now = PyLong_FromLongLong(clock);
     if (now == NULL) goto fail;
@@ -872,17 +877,20 @@ static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObjec
     Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
     if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
     if (base == NULL) {
-        s = new_storage(rt, nbytes, rec, value, now, SLOT(rec, K_off[K_cost]));
-        if (s == NULL) goto fail;
-        outs = PyList_New(1);
-        new = PyList_New(1);
+        outs = PyList_New(n);
+        new = PyList_New(n);
         if (outs == NULL || new == NULL) goto fail;
-        Py_INCREF(s);
-        PyList_SET_ITEM(outs, 0, s);
-        Py_INCREF(s);
-        PyList_SET_ITEM(new, 0, s);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *t = new_storage(rt, nbytes[i], rec, i, values[i], now, SLOT(rec, K_off[K_cost]));
+            if (t == NULL) goto fail;
+            Py_INCREF(t);
+            PyList_SET_ITEM(outs, i, t);
+            PyList_SET_ITEM(new, i, t);
+            added += nbytes[i];
+        }
+        s = Py_NewRef(PyList_GET_ITEM(outs, 0));
     } else {
-        s = new_view(rt, base, rec, value);
+        s = new_view(rt, base, rec, values[0]);
         if (s == NULL) goto fail;
         outs = PyList_New(1);
         new = PyList_New(0);
@@ -893,7 +901,7 @@ static PyObject *complete(PyObject *rt, PyObject *rec, long long nbytes, PyObjec
     set_slot(rec, K_off[K_outputs], outs);
     if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
     if (memory > high && set_attr_ll(rt, A__high, memory) < 0) goto fail;
-    if (nbytes) {
+    if (added) {
         PyObject *budget = PyObject_GetAttr(rt, A_budget);
         if (budget == NULL) goto fail;
         int over = 0;
@@ -950,9 +958,9 @@ fail:
     return NULL;
 }
 
-/* Call(name, inputs, cost, True, func, args, None, slots, grad) with rng None and fresh (0,). */
+/* Call(name, inputs, cost, True, func, args, None, slots, grad) with rng None and ``fresh``. */
 static PyObject *new_call(PyObject *name, PyObject *inputs, PyObject *cost, PyObject *func,
-                          PyObject *args, PyObject *slots, PyObject *grad) {
+                          PyObject *args, PyObject *slots, PyObject *grad, PyObject *fresh) {
     PyObject *c = T_Call->tp_alloc(T_Call, 0);
     if (c == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
@@ -980,7 +988,7 @@ static PyObject *new_call(PyObject *name, PyObject *inputs, PyObject *cost, PyOb
     set_slot(c, K_off[K_grad], grad);
     set_slot(c, K_off[K_versions], zero);
     set_slot(c, K_off[K_derive], Py_None);
-    set_slot(c, K_off[K_fresh], O_first);
+    set_slot(c, K_off[K_fresh], fresh);
     set_slot(c, K_off[K_consts], empty);
     set_slot(c, K_off[K_clone_args], empty);
     Py_DECREF(zero);
@@ -1066,14 +1074,16 @@ static int seconds_now(double *t) {
 
 /* ------------------------------------------------------------------------------------------ */
 
-/* With ``cost="estimate"``, replace ``*seconds`` by the estimate (Driver._register_one). */
-static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject *out, PyObject **seconds) {
+/* With ``cost="estimate"``, replace ``*seconds`` by the estimate (Driver._register_one, and
+ * _register: ``out`` is then the tuple of the outputs, as ``flat`` makes it for several). */
+static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject *out, int several,
+                     PyObject **seconds) {
     PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
     if (estimate == NULL) return -1;
     int on = PyObject_IsTrue(estimate);
     Py_DECREF(estimate);
     if (on <= 0) return on;
-    PyObject *outs = PyTuple_Pack(1, out);
+    PyObject *outs = several ? Py_NewRef(out) : PyTuple_Pack(1, out);
     PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
     Py_XDECREF(outs);
     if (e == NULL) return -1;
@@ -1131,6 +1141,46 @@ static int lock_defined(PyObject *inputs) {
     return 0;
 }
 
+/* How the Python path sorts an output ``o`` (recording.sort_outputs): 1 a new strided tensor
+ * of ``*nbytes`` bytes (0: empty, handed back as it is), 0 anything else (an input or constant
+ * returned, another type or layout: the Python continuation sorts it), -1 on error. */
+static int sort_output(PyObject *o, PyObject *inputs, PyObject *consts, long long *nbytes) {
+    if (Py_TYPE(o) != T_Tensor) return 0;
+    PyObject *layout = PyObject_GetAttr(o, A_layout);
+    if (layout == NULL) return -1;
+    Py_DECREF(layout);
+    if (layout != O_strided) return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(inputs); i++)
+        if (value_of(PyList_GET_ITEM(inputs, i)) == o) return 0; /* an input returned */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consts); i++)
+        if (PyList_GET_ITEM(consts, i) == o) return 0; /* the Python path raises */
+    PyObject *us = call_method0(o, A_untyped_storage);
+    PyObject *nb = us ? call_method0(us, A_nbytes) : NULL;
+    Py_XDECREF(us);
+    if (nb == NULL) return -1;
+    *nbytes = PyLong_AsLongLong(nb);
+    Py_DECREF(nb);
+    return *nbytes == -1 && PyErr_Occurred() ? -1 : 1;
+}
+
+/* ``call.consts = driver._use_constants(consts)``, untracked (Note [Untracked records]). */
+static int use_constants(PyObject *driver, PyObject *call, PyObject *consts) {
+    PyObject *use = PyObject_GetAttr(driver, A__use_constants);
+    PyObject *info = use ? PyObject_CallOneArg(use, consts) : NULL;
+    Py_XDECREF(use);
+    if (info == NULL) return -1;
+    steal_slot(call, K_off[K_consts], info);
+    if (untrack_gc) {
+        gc_untrack(SLOT(call, K_off[K_args]));
+        gc_untrack(info);
+    }
+    return 0;
+}
+
+static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
+                                 PyObject *out, PyObject *seconds, Scanned *sc, PyObject *grad,
+                                 PyObject *args, Py_ssize_t several);
+
 /* Driver._run for a simple op called without keyword arguments (a new reference), or
  * FALLBACK having changed nothing but resolved wrappers and hooked parameters (header). */
 static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
@@ -1138,6 +1188,8 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     Scanned sc = {NULL, NULL, NULL, NULL, NULL, NULL};
     int locked = 0, room = 0;
     if (SLOT(facts, F_random) != Py_False) return Py_NewRef(O_FALLBACK);
+    Py_ssize_t several = PyLong_AsSsize_t(SLOT(facts, F_several));
+    if (several == -1 && PyErr_Occurred()) return NULL;
     rt = PyObject_GetAttr(driver, A_rt);
     if (rt == NULL) return NULL;
     {
@@ -1161,7 +1213,6 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     if (r < 0) goto error;
     if (r > 0) goto fallback;
     PyObject *targs = sc.targs, *vals = sc.vals, *inputs = sc.inputs, *slots = sc.slots, *consts = sc.consts;
-    Py_ssize_t ni = PyList_GET_SIZE(inputs);
     if (lock_defined(inputs) < 0) goto error;
     locked = 1;
     if (room) { /* Driver._make_room: the size's key, to correct by what the op makes */
@@ -1180,31 +1231,15 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     }
     PyObject *seconds = PyFloat_FromDouble(t1 - t0);
     if (seconds == NULL) goto error;
-    long long nbytes = 0;
-    int native = 0;
-    if (Py_TYPE(out) == T_Tensor) {
-        PyObject *layout = PyObject_GetAttr(out, A_layout);
-        if (layout == NULL) goto error_seconds;
-        Py_DECREF(layout);
-        if (layout == O_strided) {
-            native = 1;
-            for (Py_ssize_t i = 0; i < ni && native; i++)
-                if (value_of(PyList_GET_ITEM(inputs, i)) == out) native = 0; /* an input returned */
-            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consts) && native; i++)
-                if (PyList_GET_ITEM(consts, i) == out) native = 0; /* the Python path raises */
-            if (native) {
-                PyObject *us = call_method0(out, A_untyped_storage);
-                PyObject *nb = us ? call_method0(us, A_nbytes) : NULL;
-                Py_XDECREF(us);
-                if (nb == NULL) goto error_seconds;
-                nbytes = PyLong_AsLongLong(nb);
-                Py_DECREF(nb);
-                if (nbytes == -1 && PyErr_Occurred()) goto error_seconds;
-                native = nbytes > 0;
-            }
-        }
+    if (several) {
+        locked = 0; /* several_outputs unlocks on every outcome */
+        result = several_outputs(driver, rt, facts, func, out, seconds, &sc, grad, args, several);
+        goto done;
     }
-    if (!native) {
+    long long nbytes = 0;
+    int native = sort_output(out, inputs, consts, &nbytes);
+    if (native < 0) goto error_seconds;
+    if (!native || !nbytes) {
         /* Driver._register_one: the Python continuation (it unlocks on error) */
         locked = 0;
         PyObject *a[14] = {driver, facts, func, out, seconds, inputs, targs, Py_None,
@@ -1214,7 +1249,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         goto done;
     }
     /* Driver._register_one's common case: one new strided tensor */
-    if (estimated(driver, func, vals, out, &seconds) < 0) goto error_seconds;
+    if (estimated(driver, func, vals, out, 0, &seconds) < 0) goto error_seconds;
     {
         if (add_seconds(driver, seconds) < 0) goto error_seconds;
         long long largest;
@@ -1223,31 +1258,21 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     }
     PyObject *targs_t = PyList_AsTuple(targs);
     PyObject *slots_t = targs_t ? PyList_AsTuple(slots) : NULL;
-    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad) : NULL;
+    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, O_first) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots_t);
     Py_DECREF(seconds);
     if (call == NULL) goto error;
     locked = 0; /* complete unlocks, also when it fails */
-    PyObject *cell = complete(rt, call, nbytes, out, NULL);
+    PyObject *cell = complete(rt, call, 1, &nbytes, &out, NULL);
     if (cell == NULL) {
         Py_DECREF(call);
         goto error;
     }
-    if (PyList_GET_SIZE(consts)) {
-        PyObject *use = PyObject_GetAttr(driver, A__use_constants);
-        PyObject *info = use ? PyObject_CallOneArg(use, consts) : NULL;
-        Py_XDECREF(use);
-        if (info == NULL) {
-            Py_DECREF(cell);
-            Py_DECREF(call);
-            goto error;
-        }
-        steal_slot(call, K_off[K_consts], info);
-        if (untrack_gc) {
-            gc_untrack(SLOT(call, K_off[K_args]));
-            gc_untrack(info);
-        }
+    if (PyList_GET_SIZE(consts) && use_constants(driver, call, consts) < 0) {
+        Py_DECREF(cell);
+        Py_DECREF(call);
+        goto error;
     }
     result = make_wrapper(out, rt, cell);
     Py_DECREF(cell);
@@ -1270,6 +1295,93 @@ done:
     Py_XDECREF(grad);
     Py_XDECREF(sized);
     return result;
+}
+
+/* The most outputs ``several_outputs`` registers itself (native_layer_norm and the like have 3). */
+#define MAX_SEVERAL 8
+
+/* Driver._register for an op of ``facts.several`` that ran on the locked ``sc->inputs``
+ * (``seconds`` stolen): where every output is a new strided tensor, an empty one or None,
+ * one Call makes a storage of each new tensor and the program gets a tuple of wrappers over
+ * them and the other outputs as they are; anything else goes to
+ * ``Driver._register_several``. The inputs are unlocked on every outcome. */
+static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
+                                 PyObject *out, PyObject *seconds, Scanned *sc, PyObject *grad,
+                                 PyObject *args, Py_ssize_t several) {
+    PyObject *inputs = sc->inputs, *consts = sc->consts, *result = NULL;
+    long long nbytes[MAX_SEVERAL], largest;
+    PyObject *values[MAX_SEVERAL];
+    Py_ssize_t at[MAX_SEVERAL], k = 0;
+    int native = PyTuple_Check(out) && PyTuple_GET_SIZE(out) == several && several <= MAX_SEVERAL;
+    for (Py_ssize_t j = 0; native && j < several; j++) {
+        PyObject *o = PyTuple_GET_ITEM(out, j);
+        if (o == Py_None) continue;
+        int r = sort_output(o, inputs, consts, &nbytes[k]);
+        if (r < 0) goto error_seconds;
+        native = r;
+        if (native && nbytes[k]) {
+            values[k] = o;
+            at[k++] = j;
+        }
+    }
+    if (!native || k == 0) {
+        PyObject *a[12] = {driver, facts, func, out, seconds, inputs, sc->targs, sc->slots, consts, grad,
+                           sc->vals, args};
+        result = PyObject_VectorcallMethod(A__register_several, a, 12 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(seconds);
+        return result;
+    }
+    if (estimated(driver, func, sc->vals, out, 1, &seconds) < 0 || add_seconds(driver, seconds) < 0 ||
+        attr_ll(driver, A_largest_output, &largest) < 0)
+        goto error_seconds;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (nbytes[i] > largest) largest = nbytes[i];
+    if (set_attr_ll(driver, A_largest_output, largest) < 0) goto error_seconds;
+    PyObject *fresh = PyTuple_New(k);
+    if (fresh == NULL) goto error_seconds;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *p = PyLong_FromSsize_t(at[i]);
+        if (p == NULL) {
+            Py_DECREF(fresh);
+            goto error_seconds;
+        }
+        PyTuple_SET_ITEM(fresh, i, p);
+    }
+    PyObject *targs_t = PyList_AsTuple(sc->targs);
+    PyObject *slots_t = targs_t ? PyList_AsTuple(sc->slots) : NULL;
+    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, fresh) : NULL;
+    Py_XDECREF(targs_t);
+    Py_XDECREF(slots_t);
+    Py_DECREF(fresh);
+    Py_DECREF(seconds);
+    if (call == NULL) goto error;
+    PyObject *first = complete(rt, call, k, nbytes, values, NULL); /* unlocks, also when it fails */
+    if (first == NULL) {
+        Py_DECREF(call);
+        return NULL;
+    }
+    Py_DECREF(first); /* the record's outputs hold the cells */
+    if (PyList_GET_SIZE(consts) && use_constants(driver, call, consts) < 0) {
+        Py_DECREF(call);
+        return NULL;
+    }
+    PyObject *cells = SLOT(call, K_off[K_outputs]);
+    result = PyTuple_New(several);
+    for (Py_ssize_t j = 0, i = 0; result != NULL && j < several; j++) {
+        PyObject *o = PyTuple_GET_ITEM(out, j);
+        PyObject *w = i < k && at[i] == j ? make_wrapper(o, rt, PyList_GET_ITEM(cells, i++)) : Py_NewRef(o);
+        if (w == NULL) Py_CLEAR(result);
+        else PyTuple_SET_ITEM(result, j, w);
+    }
+    Py_DECREF(call);
+    if (result != NULL) registered++;
+    return result;
+
+error_seconds:
+    Py_DECREF(seconds);
+error:
+    unlock_after_error(rt, inputs);
+    return NULL;
 }
 
 /* Views._run_view: a one-view op of this engine's ``base`` (argument ``i``), without keyword
@@ -1302,16 +1414,17 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     if (out == NULL || seconds_now(&t1) < 0) goto error;
     seconds = PyFloat_FromDouble(t1 - t0);
     if (seconds == NULL) goto error;
-    if (estimated(driver, func, vals, out, &seconds) < 0) goto error;
+    if (estimated(driver, func, vals, out, 0, &seconds) < 0) goto error;
     locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
     if (add_seconds(driver, seconds) < 0) goto error;
     PyObject *targs_t = PyList_AsTuple(targs);
     PyObject *slots = targs_t ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : NULL;
-    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots, grad) : NULL;
+    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots, grad, O_first) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots);
     if (call == NULL) goto error;
-    PyObject *cell = complete(rt, call, 0, out, c);
+    long long none = 0;
+    PyObject *cell = complete(rt, call, 1, &none, &out, c);
     Py_DECREF(call);
     if (cell == NULL) goto error;
     result = make_wrapper(out, rt, cell);
@@ -1572,7 +1685,7 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     if (seconds_now(&t0) < 0) goto done;
     out = PyObject_Vectorcall(SLOT(O_ADD_FACTS, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
     if (out == NULL || seconds_now(&t1) < 0) goto done;
-    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, O_ADD_, vals, out, &seconds) < 0)
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, O_ADD_, vals, out, 0, &seconds) < 0)
         goto done;
     locked = 0;
     if (add_seconds(driver, seconds) < 0) {
@@ -1683,7 +1796,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
             if (result != O_FALLBACK) goto done;
             Py_CLEAR(result);
         }
-    } else if (SLOT(facts, F_simple) == Py_True && no_kwargs) {
+    } else if ((SLOT(facts, F_simple) == Py_True || PyLong_AsSsize_t(SLOT(facts, F_several)) > 0) && no_kwargs) {
         if (func == O_ADD && PyTuple_GET_SIZE(args) == 2) {
             /* Gradients._summing's conditions hold only with grad mode off: test them then */
             PyObject *grad = PyObject_CallNoArgs(O_is_grad_enabled);
@@ -1761,7 +1874,7 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
 
 static PyMethodDef dispatch_def = {
     "dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
-    "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops."};
+    "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops and ops of several new tensors."};
 
 static PyObject *dispatcher(PyObject *module, PyObject *driver) {
     if (!bound) {
@@ -1904,7 +2017,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         same_fields(T_Cell, C_NAMES, C_N, C_off) < 0 || offset_of(facts, "kind", &F_kind) < 0 ||
         offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
-        offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
+        offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 ||
+        offset_of(facts, "several", &F_several) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
         same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0 ||
         same_fields(T_OpRecord, K_NAMES, K_RECORD, record_off) < 0)
         return NULL;
@@ -1941,8 +2055,8 @@ static PyMethodDef methods[] = {
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
     {"dispatcher", (PyCFunction)dispatcher, METH_O,
-     "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble and simple ops "
-     "native; other ops go to the driver's _route."},
+     "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble, simple ops and "
+     "ops of several new tensors native; other ops go to the driver's _route."},
     {"run_simple", (PyCFunction)(void (*)(void))run_simple, METH_FASTCALL,
      "run_simple(driver, facts, func, args): run a simple op as Driver._run does, or return the "
      "FALLBACK sentinel (nothing changed but resolved wrappers and hooked parameters) for the "
@@ -1964,7 +2078,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op);
     INTERN(_make_room); INTERN(hooks);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
-    INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(op_seconds); INTERN(clock);
+    INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(_register_several); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);
     INTERN(_high); INTERN(on_op); INTERN(_use_constants); INTERN(size); INTERN(is_contiguous);
     INTERN(storage_offset); INTERN(stride); INTERN(dtype); INTERN(device); INTERN(_wrapper_died);

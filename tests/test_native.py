@@ -27,6 +27,7 @@ from dtr.core import State, Storage
 from dtr.core.runtime import Runtime
 from dtr.core.unionfind import UFNode, find
 from dtr.eager import native
+from dtr.eager.driver import Driver
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call
 from dtr.testing import zoo
@@ -213,6 +214,87 @@ def test_both_paths_record_and_evict_alike(name, fraction, observed):
     assert_same(result, run_step(zoo.build(name, "tiny"), fresh_model(zoo.build(name, "tiny")), "eager"))
 
 
+@contextlib.contextmanager
+def _patched(cls, attributes):
+    """``cls`` with ``attributes`` replaced inside."""
+    saved = {name: getattr(cls, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cls, name, value)
+
+
+def _several_step(limit=None, python=False):
+    """A step of ops with several outputs (``OpFacts.several``): values and int64 indices (``sort``),
+    a value and int64 indices (``max.dim``), two 0-dim ones (``aminmax``), three
+    (``native_layer_norm`` and its backward), a ``convolution_backward`` whose input gradient
+    is None (the image needs none), and ``topk`` with k=0 (only empty outputs: the Python
+    continuation). Returns the gradients, the graph after the backward, the evictions after
+    each op, the stats, and the names of the ops that reached the Python path's ``_execute``
+    or ``_register_several``; with ``limit=False``, eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16, requires_grad=True)
+    g = torch.randn(16, requires_grad=True)
+    k = torch.randn(4, 3, 3, 3, requires_grad=True)
+    image = torch.randn(2, 3, 8, 8)
+    engine = dtr.budget(limit, cost="estimate") if limit is not False else None
+    graph = None
+    in_python = []
+    spied = {name: getattr(Driver, name) for name in ("_execute", "_register_several")}
+
+    def spy(name):
+        def run(driver, facts, *args):
+            in_python.append(facts.name)
+            return spied[name](driver, facts, *args)
+        return run
+
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
+            _patched(Driver, {name: spy(name) for name in spied}):
+        with engine if engine is not None else contextlib.nullcontext():
+            h = torch.tanh(x * 1)
+            ordered, order = torch.sort(h, 1)
+            top, where = torch.max(h, 1)
+            low, high = torch.aminmax(h)
+            normed = torch.nn.functional.layer_norm(h, (16,), g)
+            none, none_at = torch.topk(h, 0, dim=1)
+            conv = torch.nn.functional.conv2d(image, k)
+            loss = ordered[:, -1].sum() + top.sum() + (where + order[:, 0]).sum() * 0 + low * high + normed.pow(2).sum()
+            loss = loss + conv.pow(2).sum() + none.sum()
+            loss.backward()
+            if engine is not None:  # with the largest output, which decides when ops are sized
+                graph = _graph(engine.runtime), engine._driver.largest_output
+    return [x.grad, g.grad, k.grad], graph, evicted, engine and engine.stats(), in_python
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@needs_native
+def test_both_paths_register_ops_with_several_outputs_alike(fraction):
+    """Ops returning several new tensors run natively (``several_outputs`` in hotpath.c, where
+    their inputs are resident), outputs that are None or empty handed back as they are, and
+    build the graph the Python path builds: records, storages, evictions after each op and
+    stats equal, gradients eager's."""
+    eager, _, _, _, _ = _several_step(False)
+    unlimited = _several_step(None)[3]
+    limit = None if fraction is None else budget_at(unlimited, fraction)
+    grads, graph, evicted, stats, in_python = _several_step(limit)
+    py_grads, py_graph, py_evicted, py_stats, _ = _several_step(limit, python=True)
+    several = {"aten.sort.default", "aten.max.dim", "aten.aminmax.default", "aten.native_layer_norm.default",
+               "aten.native_layer_norm_backward.default", "aten.convolution_backward.default"}
+    if fraction is None:  # under a budget an op with an evicted input takes the Python path
+        assert not several & set(in_python), in_python
+    assert "aten.topk.default" in in_python
+    assert graph == py_graph
+    assert evicted == py_evicted
+    assert stats == py_stats
+    if fraction is not None:
+        assert stats.evictions > 0
+    for mine, theirs, ref in zip(grads, py_grads, eager):
+        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+
+
 def _sums_step(limit=None, python=False):
     """A step whose backward sums gradients every way the native path decides: a weight used
     nine times (its running sum written in place), one used through ``F.linear`` (gradients
@@ -283,7 +365,6 @@ def test_both_paths_sum_gradients_alike(fraction, exclusive, monkeypatch):
     stats, the gradients and what a hook kept exactly as the Python path does; also where the
     exclusivity test says no to every sum (then nothing is written in place)."""
     from dtr.eager import accumulation
-    from dtr.eager.driver import Driver
 
     accumulation.calibrate()  # its own block, once per process: not one of the logged ones
     if not exclusive:

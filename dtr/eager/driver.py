@@ -347,9 +347,9 @@ class Driver(Views, Gradients, HostCopies):
 
     def _run(self, facts, func, args, kwargs):
         """Run an op on tensors of this engine and register its results: natively for a simple
-        op without keyword arguments where the native path takes it (native.py), else
-        ``_execute``."""
-        if facts.simple and self.native is not None and not kwargs:
+        op, or one of ``facts.several``, without keyword arguments where the native path takes
+        it (native.py), else ``_execute``."""
+        if (facts.simple or facts.several) and self.native is not None and not kwargs:
             out = self.native(self, facts, func, args)
             if out is not native.FALLBACK:
                 return out
@@ -410,8 +410,21 @@ class Driver(Views, Gradients, HostCopies):
             raise
         if simple:
             return self._register_one(facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw)
+        return self._register(facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw,
+                              args, kwargs, mutated, not ((const_written and not facts.hidden_writes) or external_written))
 
-        # -- register: the general path --------------------------------------------------------
+    def _register_several(self, facts, func, out, seconds, inputs, targs, slots, consts, grad, vals, args):
+        """Register the outputs of an op of ``facts.several`` that the native path ran on
+        acquired ``inputs`` (no keyword arguments, RNG or writes) and does not register itself:
+        one that returned an input, or an output returned plain."""
+        return self._register(facts, func, out, seconds, inputs, targs, None, slots, consts, grad, None, vals,
+                              _NO_KWARGS, args, _NO_KWARGS, [], True)
+
+    def _register(self, facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw,
+                  args, kwargs, mutated, replayable):
+        """The general path's registration of the results ``out`` of an op that ran on
+        acquired ``inputs`` (the old roots of the ``mutated`` storages first)."""
+        rt = self.rt
         nv = len(mutated)
         fresh, fresh_pos, same_at, plain = sort_outputs(
             facts, out, inputs, consts, inputs[nv] if facts.kind is _VIEW else None
@@ -424,7 +437,6 @@ class Driver(Views, Gradients, HostCopies):
         if self.estimate:
             seconds = estimate_seconds(func, vals, kw, flat(out))
         self.op_seconds += seconds
-        replayable = not ((const_written and not facts.hidden_writes) or external_written)
         rec = record(facts, func, inputs, seconds, args=targs, kwargs=tkw, slots=slots, grad=grad,
                      rng_state=state, fresh=fresh_pos, mutated=mutated, replayable=replayable)
         try:

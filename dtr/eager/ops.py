@@ -73,6 +73,7 @@ class OpFacts:
         "plain_outputs",
         "placeholder",
         "simple",
+        "several",
         "one_view",
         "sized",
     )
@@ -97,6 +98,9 @@ class OpFacts:
         self.plain_outputs: Tuple[int, ...] = ()  # flat output positions returned unwrapped
         self.placeholder = False  # returns uninitialized memory (see _PLACEHOLDERS)
         self.simple = False  # the common case: writes nothing, returns one new tensor
+        # Writes nothing and returns this many new tensors (two or more, each maybe None or
+        # empty: convolution_backward, var_mean); 0 otherwise.
+        self.several = 0
         self.one_view = False  # a view op returning one view of its only tensor argument
         # Its output sizes may be found on the meta device before it runs (output_size.py):
         # an aten op returning a new tensor. Other namespaces' kernels may be Python code with
@@ -268,6 +272,9 @@ def _compute(func) -> OpFacts:
         f.returns = tuple((VIEW, is_list, (0, None)) for _, is_list, _ in returns)
     elif f.returns == ((FRESH, False, None),) and not f.plain_outputs and not f.placeholder:
         f.simple = True
+    elif (len(f.returns) > 1 and set(f.returns) == {(FRESH, False, None)}
+          and not f.plain_outputs and not f.placeholder):
+        f.several = len(f.returns)
     elif any(k == VIEW for k, _, _ in returns):
         views = {key for k, _, key in returns if k == VIEW}
         if all(k == VIEW for k, _, _ in returns) and len(views) == 1:
