@@ -70,3 +70,34 @@ def test_cudnn_dropout_state_is_returned_plain_and_never_sized():
     state = torch.empty(6 << 20, dtype=torch.uint8)  # what the CUDA kernel returns
     fresh, fresh_pos, same, plain = sort_outputs(f, state, [], {}, None)
     assert (fresh, fresh_pos, same, plain) == ([], [], {}, [])
+
+
+# Kernels that hand back their constant argument where the schema promises a new tensor.
+_LIB = torch.library.Library("dtr_tests", "DEF")
+_LIB.define("constant_back(Tensor x, Tensor c) -> Tensor")
+_LIB.define("constant_second(Tensor x, Tensor c) -> (Tensor, Tensor)")
+_LIB.impl("constant_back", lambda x, c: c, "CPU")
+_LIB.impl("constant_second", lambda x, c: (x * 2, c), "CPU")
+
+
+@pytest.mark.parametrize("op", [torch.ops.dtr_tests.constant_back.default, torch.ops.dtr_tests.constant_second.default])
+def test_an_op_that_returns_its_constant_leaves_the_inputs_unlocked(op):
+    """A kernel that returns a constant argument as its new tensor is a ``DTRError`` (the
+    engine would manage memory the program holds); the op's inputs are unlocked again, so
+    the block goes on and evicts them for its budget. Both registrations the native path
+    hands such an op to (``_register_one``, ``_register_several``) unlock, as the Python
+    path does."""
+    c = torch.randn(64, 64)
+    with dtr.budget(3 * 64 * 64 * 4, cost="estimate") as engine:
+        x = torch.randn(64, 64) * 1
+        with pytest.raises(dtr.DTRError, match="returned one of its constant inputs"):
+            op(x, c)
+        assert [s.sid for s in engine.runtime.storages() if s.locks] == []
+        ys = [torch.tanh(x)]
+        for _ in range(4):
+            ys.append(torch.tanh(ys[-1]))
+        assert x._dtr.cell.value is None, "x was not evicted"
+        want = dtr.materialize(x)
+        for y in ys:
+            want = torch.tanh(want)
+            assert torch.equal(dtr.materialize(y), want)

@@ -2,7 +2,8 @@
 would record for the same op.
 
 The driver registers most ops on one-pass paths that skip the general path's bookkeeping:
-simple ops (``Driver._run`` with ``facts.simple``: no writes, one new tensor), one-view ops
+simple ops (``Driver._run`` with ``facts.simple``: no writes, one new tensor), ops of several
+new tensors (``facts.several``, natively registered: hotpath.c's ``several_outputs``), one-view ops
 (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into a permanent
 running sum (``Gradients._add_to_permanent``). Nothing else checks
 that they record what the general path would: a drift shows only as a wrong replay, later, or
@@ -57,6 +58,8 @@ class CrosscheckedDriver(Driver):
         result = super()._run(facts, func, args, kwargs)
         if facts.simple:
             self._compare("simple op", facts, func, args, kwargs, result, None)
+        elif facts.several:
+            self._compare("several outputs", facts, func, args, kwargs, result, None)
         return result
 
     def _run_view(self, facts, func, base: DTRTensor, args):
@@ -105,22 +108,29 @@ class CrosscheckedDriver(Driver):
         if any(c.value is None for c in inputs):
             raise AssertionError(f"DTR_CROSSCHECK: {facts.name} ({path}): an input was evicted before comparing")
         vals, kw = fill(targs, tkw, slots, lambda k: inputs[k].value)
-        held = result._dtr.cell if type(result) is DTRTensor else None
-        out = result if held is None else held.value
+        results = result if facts.several else (result,)
+        helds = [r._dtr.cell if type(r) is DTRTensor else None for r in results]
+        outs = tuple(r if h is None else h.value for r, h in zip(results, helds))
+        out = outs if facts.several else outs[0]
         base = inputs[0] if only is not None else None
         fresh, fresh_pos, same, _ = sort_outputs(facts, out, inputs, consts, base)
         self.crosschecked[path] += 1
 
-        # What the program got back: a wrapper over the new cell, over the input returned as
-        # it is, or the plain result.
-        if same:
-            _expect(facts, path, "result's cell", held, same[0], held is same[0])
+        # What the program got back, at each position: a wrapper over a new cell, over the
+        # input returned as it is, or the plain result.
+        for pos, c in same.items():
+            _expect(facts, path, "result's cell", helds[pos], c, helds[pos] is c)
+        made = None
+        for pos, (r, h, o) in enumerate(zip(results, helds, outs)):
+            if pos in same:
+                continue
+            if pos not in fresh_pos:
+                _expect(facts, path, "result", _describe(r), "the plain result", r is o)
+                continue
+            _expect(facts, path, "result", _describe(r), "a wrapper over a new cell", h is not None)
+            made = made or h.parent
+        if made is None:
             return
-        if not fresh:
-            _expect(facts, path, "result", _describe(result), "the plain result", result is out)
-            return
-        made = held.parent if held is not None else None
-        _expect(facts, path, "result", _describe(result), "a wrapper over a new cell", made is not None)
 
         cost = estimate_seconds(func, vals, kw, flat(out)) if self.estimate else made.cost
         general = record(facts, func, inputs, cost, args=targs, kwargs=tkw, slots=slots,
@@ -138,7 +148,9 @@ class CrosscheckedDriver(Driver):
         got = [_output(o() if type(o) is weakref.ref else o) for o in made.outputs]
         want = [(nbytes, id(v), None if base is None else base.storage.sid) for nbytes, v, base in fresh]
         _expect(facts, path, "outputs (bytes, value, base storage)", got, want, got == want)
-        _expect(facts, path, "result's cell", held.index, 0, held.index == 0)
+        got = [helds[pos].index for pos in fresh_pos]
+        want = list(range(len(fresh_pos)))
+        _expect(facts, path, "result cells' indices", got, want, got == want)
 
 
 def _output(o) -> tuple:

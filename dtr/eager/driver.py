@@ -426,16 +426,20 @@ class Driver(Views, Gradients, HostCopies):
         acquired ``inputs`` (the old roots of the ``mutated`` storages first)."""
         rt = self.rt
         nv = len(mutated)
-        fresh, fresh_pos, same_at, plain = sort_outputs(
-            facts, out, inputs, consts, inputs[nv] if facts.kind is _VIEW else None
-        )
-        for v in plain:  # returned plain (module docstring); inputs still locked, so resident
-            self.constants.hand_out_parts(v, inputs)
+        try:  # until ``complete``, which unlocks them, also when it fails
+            fresh, fresh_pos, same_at, plain = sort_outputs(
+                facts, out, inputs, consts, inputs[nv] if facts.kind is _VIEW else None
+            )
+            for v in plain:  # returned plain (module docstring); inputs still locked, so resident
+                self.constants.hand_out_parts(v, inputs)
+            if self.estimate:
+                seconds = estimate_seconds(func, vals, kw, flat(out))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
         for nbytes, _, _ in fresh:
             if nbytes > self.largest_output:
                 self.largest_output = nbytes
-        if self.estimate:
-            seconds = estimate_seconds(func, vals, kw, flat(out))
         self.op_seconds += seconds
         rec = record(facts, func, inputs, seconds, args=targs, kwargs=tkw, slots=slots, grad=grad,
                      rng_state=state, fresh=fresh_pos, mutated=mutated, replayable=replayable)
