@@ -862,9 +862,9 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, PyObject 
 }
 
 /* Runtime.complete(rec, (), fresh) for a runtime without a host tier, where ``fresh`` is
- * ``n`` new storages (``nbytes[i]``, ``values[i]``), or with ``base`` one view of it: the
- * first output's cell (a new reference; the others are in ``rec.outputs``), or NULL with the
- * inputs unlocked. */
+ * ``n`` new storages (``nbytes[i]``, ``values[i]``; none for an op that made nothing), or with
+ * ``base`` one view of it: the first output's cell (a new reference; the others are in
+ * ``rec.outputs``; None when ``n`` is 0), or NULL with the inputs unlocked. */
 static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long long *nbytes,
                           PyObject *const *values, PyObject *base) {
     PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
@@ -888,7 +888,7 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
             PyList_SET_ITEM(new, i, t);
             added += nbytes[i];
         }
-        s = Py_NewRef(PyList_GET_ITEM(outs, 0));
+        s = Py_NewRef(n ? PyList_GET_ITEM(outs, 0) : Py_None);
     } else {
         s = new_view(rt, base, rec, values[0]);
         if (s == NULL) goto fail;
@@ -1635,38 +1635,6 @@ static int in_place_permanent(PyObject *driver, PyObject *s, PyObject *args) {
     return t;
 }
 
-/* Runtime.complete(rec, (), ()) for a runtime without a host tier: an op that made nothing.
- * -1 with the inputs unlocked on error. */
-static int complete_bare(PyObject *rt, PyObject *rec) {
-    PyObject *inputs = SLOT(rec, K_off[K_inputs]), *now = NULL, *work = NULL, *new = NULL;
-    long long clock, memory, high;
-    if (add_attr(rt, A_clock, 1, &clock) < 0 || (now = PyLong_FromLongLong(clock)) == NULL) goto fail;
-    if ((work = PyObject_GetAttr(rt, A_work)) == NULL) goto fail;
-    Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
-    if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
-    if (steal_slot(rec, K_off[K_outputs], PyList_New(0)) < 0) goto fail;
-    if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
-    if (memory > high && set_attr_ll(rt, A__high, memory) < 0) goto fail;
-    if ((new = PyList_New(0)) == NULL || wire(rt, rec, new, now) < 0) goto fail;
-    Py_DECREF(new);
-    Py_DECREF(now);
-    Py_DECREF(work);
-    if (unlock(rt, inputs) < 0) return -1;
-    PyObject *on_op = PyObject_GetAttr(rt, A_on_op);
-    if (on_op == NULL) return -1;
-    PyObject *r = on_op != Py_None ? PyObject_CallOneArg(on_op, rt) : Py_NewRef(Py_None);
-    Py_DECREF(on_op);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
-fail:
-    Py_XDECREF(new);
-    Py_XDECREF(now);
-    Py_XDECREF(work);
-    unlock_after_error(rt, inputs); /* the finally of Runtime.complete */
-    return -1;
-}
-
 /* Gradients._add_to_permanent(args): a new reference. */
 static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args) {
     PyObject *out = NULL, *seconds = NULL, *rec = NULL, *result = NULL;
@@ -1697,7 +1665,9 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
         unlock_after_error(rt, inputs);
         goto done;
     }
-    if (complete_bare(rt, rec) < 0) goto done;
+    PyObject *none = complete(rt, rec, 0, NULL, NULL, NULL);
+    if (none == NULL) goto done;
+    Py_DECREF(none);
     result = make_wrapper(out, rt, PyList_GET_ITEM(inputs, 0));
     if (result != NULL) registered++;
 done:
