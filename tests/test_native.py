@@ -214,19 +214,6 @@ def test_both_paths_record_and_evict_alike(name, fraction, observed):
     assert_same(result, run_step(zoo.build(name, "tiny"), fresh_model(zoo.build(name, "tiny")), "eager"))
 
 
-@contextlib.contextmanager
-def _patched(cls, attributes):
-    """``cls`` with ``attributes`` replaced inside."""
-    saved = {name: getattr(cls, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(cls, name, value)
-
-
 def _several_step(limit=None, python=False):
     """A step of ops with several outputs (``OpFacts.several``): values and int64 indices (``sort``),
     a value and int64 indices (``max.dim``), two 0-dim ones (``aminmax``), three
@@ -252,7 +239,9 @@ def _several_step(limit=None, python=False):
         return run
 
     with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
-            _patched(Driver, {name: spy(name) for name in spied}):
+            pytest.MonkeyPatch.context() as patch:
+        for name in spied:
+            patch.setattr(Driver, name, spy(name))
         with engine if engine is not None else contextlib.nullcontext():
             h = torch.tanh(x * 1)
             ordered, order = torch.sort(h, 1)

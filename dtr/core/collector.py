@@ -32,11 +32,11 @@ cycle through a view cell also passes through a storage's ``parent`` link (the c
 input of a record whose output's dependents lead back to it), and ``give_back`` returns at
 ``close`` the views of the storages left, the view chains their records read, and the cells
 of live wrappers and of deaths not yet applied, each with the cells ``translate`` made from it
-on newer versions of its storage (untracked as they are made, as views are): a failed ``close`` keeps the runtime's tables,
-and a cycle through the runtime and one of them would keep it alive for good. Views are most of what the collector still saw in
-loops whose cells split their gates into views and write them in place (the LSTMCell loop's
-``gc ms`` in ``bench_runtime.py --sections models``, README). Wrappers
-and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and when its wrapper
+on newer versions of its storage (untracked as they are made, as views are): a failed
+``close`` keeps the runtime's tables, and a cycle through the runtime and one of them would
+keep it alive for good. Views are most of what the collector still saw in loops whose cells
+split their gates into views and write them in place (the LSTMCell loop's ``gc ms`` in
+``bench_runtime.py --sections models``, README). Wrappers and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and when its wrapper
 dies in a garbage cycle the collector moves the ref onto its list of callbacks to call, which
 it can only do for a tracked object; hence ``untrack`` refusing weakrefs.
 """
