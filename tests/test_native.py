@@ -216,7 +216,8 @@ def test_both_paths_record_and_evict_alike(name, fraction, observed):
 
 def _several_step(limit=None, python=False):
     """A step of ops with several outputs (``OpFacts.several``): values and int64 indices (``sort``),
-    a value and int64 indices (``max.dim``), two 0-dim ones (``aminmax``), three
+    a value and int64 indices (``max.dim``), two 0-dim ones (``aminmax``, of a detached input:
+    torch 2.11 has no derivative for it), three
     (``native_layer_norm`` and its backward), a ``convolution_backward`` whose input gradient
     is None (the image needs none), and ``topk`` with k=0 (only empty outputs: the Python
     continuation). Returns the gradients, the graph after the backward, the evictions after
@@ -246,7 +247,7 @@ def _several_step(limit=None, python=False):
             h = torch.tanh(x * 1)
             ordered, order = torch.sort(h, 1)
             top, where = torch.max(h, 1)
-            low, high = torch.aminmax(h)
+            low, high = torch.aminmax(h.detach())
             normed = torch.nn.functional.layer_norm(h, (16,), g)
             none, none_at = torch.topk(h, 0, dim=1)
             conv = torch.nn.functional.conv2d(image, k)
@@ -258,7 +259,7 @@ def _several_step(limit=None, python=False):
     return [x.grad, g.grad, k.grad], graph, evicted, engine and engine.stats(), in_python
 
 
-@pytest.mark.parametrize("fraction", [None, 0.5])
+@pytest.mark.parametrize("fraction", [None, 0.6])
 @needs_native
 def test_both_paths_register_ops_with_several_outputs_alike(fraction):
     """Ops returning several new tensors run natively (``several_outputs`` in hotpath.c, where
