@@ -2,9 +2,10 @@
  *
  * ``dispatcher(driver)`` is ``Driver.dispatch`` bound to one driver: it takes the runtime's lock,
  * counts the op, applies queued wrapper deaths (``Runtime.drain``: eager eviction and release),
- * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes) or
- * ``facts.several`` (several new tensors, no writes) called without keyword arguments itself,
- * as it does one-view ops and autograd's gradient sums into a running sum already permanent
+ * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes),
+ * ``facts.several`` (several new tensors, no writes) or ``facts.in_place`` (it writes its first
+ * argument and returns it) called without keyword arguments itself, as it does one-view ops
+ * and autograd's gradient sums into a running sum already permanent
  * (``sum_op``: Note [Accumulation in place]); every other op goes to ``Driver._route`` (other
  * sums to ``Gradients._sum`` or ``_sum_as``), in Python.
  *
@@ -22,6 +23,10 @@
  * ``outputs.fit``. An op of ``facts.several`` runs the same way up to the kernel; then
  * ``several_outputs`` registers its new strided tensors in one ``Call`` and hands back None
  * and empty outputs as they are, and any other outcome goes to ``Driver._register_several``.
+ * An in-place op (``in_place_op``) on a resident tensor of the engine, whose inputs are all
+ * resident, gives the written storage its new version as ``Runtime.complete`` does; where the
+ * Python path has more to do first (a written constant or handed-out tensor, lineage to make
+ * permanent, an input to rematerialize) it returns ``FALLBACK`` for ``Driver._execute``.
  *
  * The Python code stays the definition: this file mirrors it statement for statement, calls the
  * heuristic's hooks, ``lineage.release`` and the rarer branches in Python, and works on the
@@ -56,7 +61,8 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
-    *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation;
+    *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation,
+    *O_carry_views;
 static PyObject *EMPTY; /* () */
 static int untrack_gc; /* the collector module is native: untrack as it does */
 static int bound;
@@ -72,7 +78,8 @@ static Py_ssize_t C_off[C_N];
 #define C_index C_off[C_INDEX]
 #define C_value C_off[C_VALUE]
 #define C_forward C_off[C_FORWARD]
-static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_several, F_kind, F_one_view, F_view_of;
+static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_several, F_in_place, F_kind, F_one_view,
+    F_view_of;
 enum {
     S_runtime, S_sid, S_nbytes, S_state, S_locks, S_refs, S_uses, S_last_access, S_cost, S_parent,
     S_index, S_value, S_views, S_dependents, S_forward, S_hdata, S_slot, S_protected, S_backward,
@@ -110,7 +117,8 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
-    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several;
+    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several,
+    *A__views_alias_data;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -205,6 +213,11 @@ static PyObject *resolved(PyObject *rt, PyObject *ref) {
     PyObject *c = SLOT(ref, R_cell);
     PyObject *s = storage_of(c);
     if (s == NULL || SLOT(s, S_off[S_forward]) == Py_None) return c;
+    if (c == s) { /* a root: its versions are the chain of ``forward``s */
+        while (SLOT(s, S_off[S_forward]) != Py_None) s = SLOT(s, S_off[S_forward]);
+        set_slot(ref, R_cell, s);
+        return s;
+    }
     PyObject *now = PyObject_CallMethodOneArg(rt, A_resolve, c);
     if (now == NULL) return NULL;
     if (storage_of(now) == NULL) {
@@ -861,14 +874,56 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, PyObject 
     return c;
 }
 
-/* Runtime.complete(rec, (), fresh) for a runtime without a host tier, where ``fresh`` is
- * ``n`` new storages (``nbytes[i]``, ``values[i]``; none for an op that made nothing), or with
- * ``base`` one view of it: the first output's cell (a new reference; the others are in
- * ``rec.outputs``; None when ``n`` is 0), or NULL with the inputs unlocked. */
+/* ``s.recomputable``: 1, 0, or -1 on error. */
+static int recomputable(PyObject *s) {
+    PyObject *parent = SLOT(s, S_off[S_parent]);
+    return parent == Py_None ? 0 : PyObject_IsTrue(SLOT(parent, K_off[K_replayable]));
+}
+
+/* The new version of ``s``, which ``rec`` wrote in place, as its output 0 (Runtime.complete's
+ * loop over ``mutated``, ``rec.replayable`` already decided): a new reference, or NULL. */
+static PyObject *new_version(PyObject *rt, PyObject *rec, PyObject *s, PyObject *now) {
+    long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    PyObject *s2 = new_storage(rt, nbytes, rec, 0, SLOT(s, S_off[S_value]), now, SLOT(rec, K_off[K_cost]));
+    PyObject *zero = s2 ? PyLong_FromLong(0) : NULL;
+    if (zero == NULL) {
+        Py_XDECREF(s2);
+        return NULL;
+    }
+    set_slot(s2, S_off[S_refs], SLOT(s, S_off[S_refs]));
+    set_slot(s, S_off[S_refs], zero);
+    set_slot(s2, S_off[S_protected], SLOT(s, S_off[S_protected])); /* the same tensor for a plan */
+    set_slot(s, S_off[S_protected], zero);
+    Py_DECREF(zero);
+    set_slot(s, S_off[S_forward], s2);
+    PyObject *alias = PyObject_GetAttr(rt, A__views_alias_data);
+    int carry = alias ? PyObject_IsTrue(alias) : -1;
+    Py_XDECREF(alias);
+    if (carry > 0 && PyObject_IsTrue(SLOT(s, S_off[S_views]))) { /* no views: carry_views does nothing */
+        PyObject *r = PyObject_CallOneArg(O_carry_views, s);
+        carry = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    /* the old version's bytes now belong to the new one: no memory is freed */
+    if (carry < 0 || evict(rt, s) < 0) {
+        Py_DECREF(s2);
+        return NULL;
+    }
+    return s2;
+}
+
+/* Runtime.complete(rec, mutated, fresh) for a runtime without a host tier, where ``mutated`` is
+ * NULL or the one storage ``rec`` wrote in place (its new version is output 0), and ``fresh``
+ * is ``n`` new storages (``nbytes[i]``, ``values[i]``; none for an op that made nothing), or
+ * with ``base`` (and no ``mutated``) one view of it: the first fresh output's cell (a new
+ * reference; the others are in ``rec.outputs``; None when ``n`` is 0), or NULL with the inputs
+ * unlocked. */
 static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long long *nbytes,
-                          PyObject *const *values, PyObject *base) {
+                          PyObject *const *values, PyObject *base, PyObject *mutated) {
     PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
     long long clock, memory, high, added = 0;
+    Py_ssize_t m = mutated != NULL;
     if (add_attr(rt, A_clock, 1, &clock) < 0) goto fail;
     now = PyLong_FromLongLong(clock);
     if (now == NULL) goto fail;
@@ -877,18 +932,28 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
     Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
     if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
     if (base == NULL) {
-        outs = PyList_New(n);
-        new = PyList_New(n);
+        outs = PyList_New(m + n);
+        new = PyList_New(m + n);
         if (outs == NULL || new == NULL) goto fail;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *t = new_storage(rt, nbytes[i], rec, i, values[i], now, SLOT(rec, K_off[K_cost]));
+        if (m) {
+            int r = recomputable(mutated);
+            if (r < 0) goto fail;
+            if (!r) set_slot(rec, K_off[K_replayable], Py_False); /* its input cannot be rebuilt */
+            PyObject *t = new_version(rt, rec, mutated, now);
             if (t == NULL) goto fail;
             Py_INCREF(t);
-            PyList_SET_ITEM(outs, i, t);
-            PyList_SET_ITEM(new, i, t);
+            PyList_SET_ITEM(outs, 0, t);
+            PyList_SET_ITEM(new, 0, t);
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *t = new_storage(rt, nbytes[i], rec, m + i, values[i], now, SLOT(rec, K_off[K_cost]));
+            if (t == NULL) goto fail;
+            Py_INCREF(t);
+            PyList_SET_ITEM(outs, m + i, t);
+            PyList_SET_ITEM(new, m + i, t);
             added += nbytes[i];
         }
-        s = Py_NewRef(n ? PyList_GET_ITEM(outs, 0) : Py_None);
+        s = Py_NewRef(n ? PyList_GET_ITEM(outs, m) : Py_None);
     } else {
         s = new_view(rt, base, rec, values[0]);
         if (s == NULL) goto fail;
@@ -915,9 +980,9 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
         }
         Py_DECREF(budget);
         if (over) {
-            PyObject *zero = PyLong_FromLong(0);
-            PyObject *r = zero ? PyObject_CallFunctionObjArgs(O_fit, rt, rec, new, zero, NULL) : NULL;
-            Py_XDECREF(zero);
+            PyObject *versions = PyLong_FromSsize_t(m);
+            PyObject *r = versions ? PyObject_CallFunctionObjArgs(O_fit, rt, rec, new, versions, NULL) : NULL;
+            Py_XDECREF(versions);
             if (r == NULL) goto fail;
             Py_DECREF(r);
         }
@@ -1107,16 +1172,18 @@ typedef struct {
     PyObject *targs, *vals, *inputs, *slots, *consts, *hooks;
 } Scanned;
 
-/* Scan ``args`` into ``sc`` (every field set or NULL): 0 done, 1 the Python path must run the
- * op, -1 error. ``scanned_clear`` releases ``sc`` in every case. */
-static int scan_args(PyObject *args, PyObject *rt, PyObject *driver, Scanned *sc) {
+/* Scan ``args`` into ``sc`` (every field set or NULL), after ``first`` in ``sc->inputs`` where
+ * it is not NULL (a written storage's old root): 0 done, 1 the Python path must run the op, -1
+ * error. ``scanned_clear`` releases ``sc`` in every case. */
+static int scan_args(PyObject *args, PyObject *rt, PyObject *driver, Scanned *sc, PyObject *first) {
     sc->targs = PySequence_List(args);
     sc->vals = PySequence_List(args);
-    sc->inputs = PyList_New(0);
+    sc->inputs = first == NULL ? PyList_New(0) : PyList_New(1);
     sc->slots = PyList_New(0);
     sc->consts = PyList_New(0);
     sc->hooks = NULL;
     if (!sc->targs || !sc->vals || !sc->inputs || !sc->slots || !sc->consts) return -1;
+    if (first != NULL) PyList_SET_ITEM(sc->inputs, 0, Py_NewRef(first));
     return scan(args, sc->targs, sc->vals, sc->inputs, sc->slots, sc->consts, rt, driver, NULL, &sc->hooks);
 }
 
@@ -1209,7 +1276,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         }
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    int r = scan_args(args, rt, driver, &sc);
+    int r = scan_args(args, rt, driver, &sc, NULL);
     if (r < 0) goto error;
     if (r > 0) goto fallback;
     PyObject *targs = sc.targs, *vals = sc.vals, *inputs = sc.inputs, *slots = sc.slots, *consts = sc.consts;
@@ -1264,7 +1331,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     Py_DECREF(seconds);
     if (call == NULL) goto error;
     locked = 0; /* complete unlocks, also when it fails */
-    PyObject *cell = complete(rt, call, 1, &nbytes, &out, NULL);
+    PyObject *cell = complete(rt, call, 1, &nbytes, &out, NULL, NULL);
     if (cell == NULL) {
         Py_DECREF(call);
         goto error;
@@ -1355,7 +1422,7 @@ static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts
     Py_DECREF(fresh);
     Py_DECREF(seconds);
     if (call == NULL) goto error;
-    PyObject *first = complete(rt, call, k, nbytes, values, NULL); /* unlocks, also when it fails */
+    PyObject *first = complete(rt, call, k, nbytes, values, NULL, NULL); /* unlocks, also when it fails */
     if (first == NULL) {
         Py_DECREF(call);
         return NULL;
@@ -1382,6 +1449,95 @@ error_seconds:
 error:
     unlock_after_error(rt, inputs);
     return NULL;
+}
+
+/* Driver._execute for an op of ``facts.in_place`` (it writes its first argument and returns
+ * it; no RNG) called without keyword arguments, where that argument is a tensor of this engine
+ * that is not handed out, its storage recomputable or read by no record (``lineage.before_write``
+ * has nothing to do), and every input is resident: the program's own tensor (a new reference),
+ * the written storage's new version registered as ``Driver._register`` and
+ * ``Runtime.complete`` do. Otherwise FALLBACK, having changed nothing but resolved wrappers and
+ * hooked parameters. */
+static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func, PyObject *args) {
+    PyObject *out = NULL, *grad = NULL, *seconds = NULL, *call = NULL, *result = NULL;
+    Scanned sc = {NULL, NULL, NULL, NULL, NULL, NULL};
+    int locked = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *written = n ? PyTuple_GET_ITEM(args, 0) : NULL;
+    if (written == NULL || Py_TYPE(written) != T_DTRTensor) return Py_NewRef(O_FALLBACK); /* a constant */
+    PyObject *ref = SLOT(written, W_dtr);
+    PyObject *c = ref ? SLOT(ref, R_cell) : NULL;
+    PyObject *s = c ? storage_of(c) : NULL;
+    if (s == NULL || SLOT(s, S_off[S_runtime]) != rt) return Py_NewRef(O_FALLBACK);
+    if ((c = resolved(rt, ref)) == NULL) return NULL;
+    s = storage_of(c); /* Driver._sort_written's ``mutated`` */
+    if (SLOT(s, S_off[S_state]) != O_RESIDENT) return Py_NewRef(O_FALLBACK); /* handed out, or to acquire */
+    int r = PyObject_IsTrue(SLOT(s, S_off[S_uses]));
+    if (r > 0) r = !recomputable(s); /* -1 stays -1: before_write would make its dependents permanent */
+    if (r < 0) return NULL;
+    if (r) return Py_NewRef(O_FALLBACK);
+    Py_INCREF(s);
+    r = scan_args(args, rt, driver, &sc, s);
+    if (r < 0) goto done;
+    if (r > 0) {
+        result = Py_NewRef(O_FALLBACK);
+        goto done;
+    }
+    PyObject *vals = sc.vals, *inputs = sc.inputs;
+    if (lock_defined(inputs) < 0) goto done;
+    locked = 1;
+    double t0, t1;
+    grad = PyObject_CallNoArgs(O_is_grad_enabled);
+    if (grad == NULL || seconds_now(&t0) < 0) goto done;
+    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, NULL);
+    if (out == NULL || seconds_now(&t1) < 0) goto done;
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, func, vals, out, 0, &seconds) < 0 ||
+        add_seconds(driver, seconds) < 0)
+        goto done;
+    /* recording.record: one version, and the inputs over the written storage derived from it */
+    PyObject *derive = PyDict_New();
+    if (derive == NULL) goto done;
+    for (Py_ssize_t k = 1; k < PyList_GET_SIZE(inputs); k++) {
+        if (storage_of(PyList_GET_ITEM(inputs, k)) != s) continue;
+        PyObject *key = PyLong_FromSsize_t(k);
+        PyObject *zero = key ? PyLong_FromLong(0) : NULL;
+        int bad = zero == NULL || PyDict_SetItem(derive, key, zero) < 0;
+        Py_XDECREF(key);
+        Py_XDECREF(zero);
+        if (bad) {
+            Py_DECREF(derive);
+            goto done;
+        }
+    }
+    PyObject *targs_t = PyList_AsTuple(sc.targs);
+    PyObject *slots_t = targs_t ? PyList_AsTuple(sc.slots) : NULL;
+    PyObject *one = slots_t ? PyLong_FromLong(1) : NULL;
+    call = one ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, EMPTY) : NULL;
+    Py_XDECREF(targs_t);
+    Py_XDECREF(slots_t);
+    if (call != NULL) {
+        set_slot(call, K_off[K_versions], one);
+        set_slot(call, K_off[K_derive], PyDict_GET_SIZE(derive) ? derive : Py_None);
+    }
+    Py_XDECREF(one);
+    Py_DECREF(derive);
+    if (call == NULL) goto done;
+    locked = 0; /* complete unlocks, also when it fails */
+    PyObject *none = complete(rt, call, 0, NULL, NULL, NULL, s);
+    if (none == NULL) goto done;
+    Py_DECREF(none);
+    if (PyList_GET_SIZE(sc.consts) && use_constants(driver, call, sc.consts) < 0) goto done;
+    result = Py_NewRef(written); /* ops.program_returns: the program's own tensor */
+    registered++;
+done:
+    if (locked) unlock_after_error(rt, sc.inputs);
+    scanned_clear(&sc);
+    Py_DECREF(s);
+    Py_XDECREF(out);
+    Py_XDECREF(grad);
+    Py_XDECREF(seconds);
+    Py_XDECREF(call);
+    return result;
 }
 
 /* Views._run_view: a one-view op of this engine's ``base`` (argument ``i``), without keyword
@@ -1424,7 +1580,7 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     Py_XDECREF(slots);
     if (call == NULL) goto error;
     long long none = 0;
-    PyObject *cell = complete(rt, call, 1, &none, &out, c);
+    PyObject *cell = complete(rt, call, 1, &none, &out, c, NULL);
     Py_DECREF(call);
     if (cell == NULL) goto error;
     result = make_wrapper(out, rt, cell);
@@ -1640,7 +1796,7 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     PyObject *out = NULL, *seconds = NULL, *rec = NULL, *result = NULL;
     Scanned sc;
     int locked = 0;
-    int r = scan_args(args, rt, driver, &sc);
+    int r = scan_args(args, rt, driver, &sc, NULL);
     if (r < 0) goto done;
     if (r > 0) { /* an input to rematerialize, or another engine's wrapper */
         result = PyObject_CallMethodOneArg(driver, A__add_to_permanent, args);
@@ -1665,7 +1821,7 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
         unlock_after_error(rt, inputs);
         goto done;
     }
-    PyObject *none = complete(rt, rec, 0, NULL, NULL, NULL);
+    PyObject *none = complete(rt, rec, 0, NULL, NULL, NULL, NULL);
     if (none == NULL) goto done;
     Py_DECREF(none);
     result = make_wrapper(out, rt, PyList_GET_ITEM(inputs, 0));
@@ -1703,6 +1859,13 @@ static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t 
     if (!bound) {
         PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() was not called");
         return NULL;
+    }
+    if (SLOT(argv[1], F_in_place) == Py_True) {
+        PyObject *rt = PyObject_GetAttr(argv[0], A_rt);
+        if (rt == NULL) return NULL;
+        PyObject *r = in_place_op(argv[0], rt, argv[1], argv[2], argv[3]);
+        Py_DECREF(rt);
+        return r;
     }
     return simple_op(argv[0], argv[1], argv[2], argv[3]);
 }
@@ -1766,6 +1929,13 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
             if (result != O_FALLBACK) goto done;
             Py_CLEAR(result);
         }
+    } else if (SLOT(facts, F_in_place) == Py_True && no_kwargs) {
+        result = in_place_op(driver, rt, facts, func, args);
+        if (result != O_FALLBACK) goto done;
+        Py_DECREF(result);
+        PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
+        result = PyObject_VectorcallMethod(A__execute, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        goto done;
     } else if ((SLOT(facts, F_simple) == Py_True || PyLong_AsSsize_t(SLOT(facts, F_several)) > 0) && no_kwargs) {
         if (func == O_ADD && PyTuple_GET_SIZE(args) == 2) {
             /* Gradients._summing's conditions hold only with grad mode off: test them then */
@@ -1969,6 +2139,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(EXTERNAL);
     GET(graph_task_id);
     GET(accumulation);
+    GET(carry_views);
     GET(FALLBACK);
     GET(Facts);
     PyObject *u = PyDict_GetItemString(config, "untrack_gc");
@@ -1988,7 +2159,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 ||
-        offset_of(facts, "several", &F_several) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
+        offset_of(facts, "several", &F_several) < 0 || offset_of(facts, "in_place", &F_in_place) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
         same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0 ||
         same_fields(T_OpRecord, K_NAMES, K_RECORD, record_off) < 0)
         return NULL;
@@ -2025,10 +2196,11 @@ static PyMethodDef methods[] = {
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
     {"dispatcher", (PyCFunction)dispatcher, METH_O,
-     "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble, simple ops and "
-     "ops of several new tensors native; other ops go to the driver's _route."},
+     "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble, simple ops, "
+     "ops of several new tensors and in-place ops native; other ops go to the driver's _route."},
     {"run_simple", (PyCFunction)(void (*)(void))run_simple, METH_FASTCALL,
-     "run_simple(driver, facts, func, args): run a simple op as Driver._run does, or return the "
+     "run_simple(driver, facts, func, args): run a simple op, one of several new tensors or an "
+     "in-place one as Driver._run does, or return the "
      "FALLBACK sentinel (nothing changed but resolved wrappers and hooked parameters) for the "
      "Python path to run it."},
     {"bind", (PyCFunction)bind, METH_O,
@@ -2061,6 +2233,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
+    INTERN(_views_alias_data);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -285,6 +285,88 @@ def test_both_paths_register_ops_with_several_outputs_alike(fraction):
         assert torch.equal(mine, theirs) and torch.equal(mine, ref)
 
 
+def _in_place_step(limit=None, python=False):
+    """A step of in-place ops (``OpFacts.in_place``, which the native path runs): ``mul_`` and
+    ``add_`` on a tensor the step made, with a constant and with a tensor of the engine; ``x.add_(x)``
+    (the written storage read twice); gates that are views of one storage written with
+    ``sigmoid_`` and ``tanh_`` one after the other, as ``LSTMCell``'s CPU kernel writes them
+    (each write carries the other, defined views to the new version); ``relu_`` on a view the
+    program keeps; ``copy_`` from another tensor of the engine; ``mul_`` on a tensor whose
+    lineage was cut (its new version cannot be recomputed). Returns the gradients, the
+    graph after the backward, the evictions after each op, the stats, and the names of the
+    ops that reached the Python path's ``_execute``; with ``limit=False``, eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    c = torch.randn(16, 16)
+    shift = torch.randn(16, 16)
+    engine = dtr.budget(limit, cost="estimate") if limit is not False else None
+    graph = None
+    in_python = []
+    execute = Driver._execute
+
+    def spy(driver, facts, *args):
+        in_python.append(facts.name)
+        return execute(driver, facts, *args)
+
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Driver, "_execute", spy)
+        with engine if engine is not None else contextlib.nullcontext():
+            moved = c + shift
+            shift.add_(1)  # a constant a record read, written: every lineage is cut (Constants)
+            moved.mul_(2)  # no lineage, no reader: its new version is not recomputable
+            gates = x @ w
+            i, f, g, o = gates.unsafe_chunk(4, 1)
+            i.sigmoid_()
+            f.sigmoid_()
+            g.tanh_()
+            o.sigmoid_()
+            h = (f * c + i * g) * o.tanh()
+            h2 = h * 1
+            h2.mul_(0.5).add_(c).add_(h)
+            h3 = h * 2
+            h3.add_(h3).mul_(h2)
+            kept = h3[:, :8]
+            kept.relu_()
+            out = torch.empty_like(h)
+            out.copy_(h3)
+            loss = out.sum() + kept.sum() + h.sum() + moved.sum()
+            loss.backward()
+            if engine is not None:
+                graph = _graph(engine.runtime)
+    return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@needs_native
+def test_both_paths_register_in_place_ops_alike(fraction):
+    """In-place ops run natively (``in_place_op`` in hotpath.c) where the written tensor and
+    every input are resident, and build the graph the Python path builds: the written
+    storage's new version, its carried views, records, evictions after each op and stats
+    equal; gradients eager's."""
+    eager, _, _, _, _ = _in_place_step(False)
+    unlimited = _in_place_step(None)[3]
+    limit = None if fraction is None else budget_at(unlimited, fraction)
+    before = native.registered()
+    grads, graph, evicted, stats, in_python = _in_place_step(limit)
+    handled = native.registered() - before
+    py_grads, py_graph, py_evicted, py_stats, py_in_python = _in_place_step(limit, python=True)
+    in_place = {"aten.sigmoid_.default", "aten.tanh_.default", "aten.mul_.Tensor", "aten.add_.Tensor",
+                "aten.relu_.default", "aten.copy_.default"}
+    assert in_place <= set(py_in_python)
+    if fraction is None:  # under a budget an op with an evicted input takes the Python path
+        assert [name for name in in_python if name in in_place] == ["aten.add_.Tensor"]  # the constant's
+        assert handled >= sum(py_in_python.count(name) for name in in_place) - 1
+    assert graph == py_graph
+    assert evicted == py_evicted
+    assert stats == py_stats
+    if fraction is not None:
+        assert stats.evictions > 0
+    for mine, theirs, ref in zip(grads, py_grads, eager):
+        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+
+
 def _sums_step(limit=None, python=False):
     """A step whose backward sums gradients every way the native path decides: a weight used
     nine times (its running sum written in place), one used through ``F.linear`` (gradients
@@ -426,6 +508,42 @@ def test_an_op_the_native_path_hands_back_changes_nothing():
         assert (rt.memory, rt.clock, rt.next_sid, s.locks, s.refs, s.uses, len(rt.live_refs())) == before
         assert torch.equal(dtr.materialize(y * y), (x * 2) * (x * 2))  # the Python path runs it
         del z
+
+
+@needs_native
+def test_an_in_place_op_the_native_path_hands_back_changes_nothing():
+    """An in-place op goes to the Python path, with nothing changed, where that path has more
+    to do than register a new version: the written tensor evicted (to rematerialize), handed
+    to the program (``dtr.materialize``), a constant, or without lineage while a record reads
+    it (``lineage.before_write`` makes the readers permanent first)."""
+    add_ = torch.ops.aten.add_.Tensor
+    facts = facts_for(add_)
+    assert facts.in_place
+    x = torch.randn(8, 8)
+    constant = torch.randn(8, 8)
+    with dtr.budget(None, cost="estimate") as engine:
+        rt = engine.runtime
+        y = x * 2
+        z = y + 1  # reads y: y can be evicted, and its writes must keep z's lineage
+        evicted = y._dtr.cell.storage
+        assert rt.evict([evicted]) == evicted.nbytes
+        handed = x * 3
+        dtr.materialize(handed)
+        cut = x * 4
+        reader = cut + 1
+        rt.make_permanent([cut._dtr.cell.storage])  # lineage cut, read by ``reader``'s record
+        assert cut._dtr.cell.storage.uses and not cut._dtr.cell.storage.recomputable
+        for written, other in ((y, z), (handed, z), (constant, z), (cut, z)):
+            storages = list(rt.storages())
+            before = (rt.memory, rt.clock, rt.next_sid, len(rt.live_refs()),
+                      [(s.locks, s.refs, s.uses, s.state, s.forward) for s in storages])
+            assert native.run_simple(rt.executor, facts, add_, (written, other)) is native.FALLBACK
+            assert (rt.memory, rt.clock, rt.next_sid, len(rt.live_refs()),
+                    [(s.locks, s.refs, s.uses, s.state, s.forward) for s in storages]) == before
+        y.add_(z)  # the Python path runs them
+        cut.add_(z)
+        assert torch.equal(dtr.materialize(y), x * 2 + (x * 2 + 1))
+        assert torch.equal(dtr.materialize(reader), x * 4 + 1)
 
 
 @needs_native

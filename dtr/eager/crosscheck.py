@@ -3,11 +3,12 @@ would record for the same op.
 
 The driver registers most ops on one-pass paths that skip the general path's bookkeeping:
 simple ops (``Driver._run`` with ``facts.simple``: no writes, one new tensor), ops of several
-new tensors (``facts.several``, natively registered: hotpath.c's ``several_outputs``), one-view ops
-(``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into a permanent
-running sum (``Gradients._add_to_permanent``). Nothing else checks
-that they record what the general path would: a drift shows only as a wrong replay, later, or
-never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
+new tensors (``facts.several``, natively registered: hotpath.c's ``several_outputs``), in-place
+ops (``facts.in_place``, hotpath.c's ``in_place_op``: compared through the record of the
+written storage's new version, from what the general path would have scanned before the op),
+one-view ops (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into
+a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
+record what the general path would: a drift shows only as a wrong replay, later, or never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
 a ``CrosscheckedDriver``: after each op a one-pass path handled, it scans the op's arguments
 again, sorts the op's results and builds the general path's record (recording.py) into a
 throwaway ``Call``, and compares it with the record the engine now holds: name, inputs,
@@ -32,9 +33,10 @@ from dtr.eager import rng
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.driver import Driver
 from dtr.eager.recording import record, sort_outputs
+from dtr.eager.output_size import flat_tensors
 from dtr.eager.replay import fill, flat
 from dtr.eager.tensor import DTRTensor
-from dtr.core import Storage
+from dtr.core import State, Storage
 
 __all__ = ["CrosscheckedDriver", "enabled"]
 
@@ -55,12 +57,61 @@ class CrosscheckedDriver(Driver):
         self.crosschecked: Counter = Counter()  # path -> comparisons made
 
     def _run(self, facts, func, args, kwargs):
+        before = self._before_in_place(args) if facts.in_place and not kwargs else None
         result = super()._run(facts, func, args, kwargs)
         if facts.simple:
             self._compare("simple op", facts, func, args, kwargs, result, None)
         elif facts.several:
             self._compare("several outputs", facts, func, args, kwargs, result, None)
+        elif before is not None:
+            self._compare_in_place(facts, func, args, result, *before)
         return result
+
+    def _before_in_place(self, args):
+        """Before an op of ``facts.in_place`` runs, what the general path would record it from
+        (``Driver._writes`` and ``_scan``, without their protections): the written storage,
+        the inputs (its root first), the template, slots and constants, the input values and
+        the root's value. None where the op writes no resident tensor of this engine or reads
+        an evicted one (the general path then runs it: nothing to compare)."""
+        mutated: list = []
+        elsewhere: list = []
+        self._sort_written(flat_tensors(args[0]), mutated, elsewhere, elsewhere)
+        if elsewhere or len(mutated) != 1 or mutated[0].state is not State.RESIDENT:
+            return None
+        s = mutated[0]
+        inputs = [s.root]
+        slots: list = []
+        consts: list = []
+        targs = list(args)
+        self._scan(enumerate(args), targs, list(args), inputs, slots, consts, None)
+        if any(c.value is None for c in inputs):
+            return None
+        vals, _ = fill(targs, None, slots, lambda k: inputs[k].value)
+        return s, inputs, targs, slots, consts, vals, s.value
+
+    def _compare_in_place(self, facts, func, args, result, s, inputs, targs, slots, consts, vals, value) -> None:
+        """Compare the record of an op of ``facts.in_place`` (the parent of the written
+        storage's new version) with the general path's, built from ``_before_in_place``."""
+        path = "in place"
+        _expect(facts, path, "result", _describe(result), "the program's own tensor", result is args[0])
+        new = s.forward
+        _expect(facts, path, "new version", new, "a storage", new is not None)
+        made = new.parent
+        self.crosschecked[path] += 1
+        cost = estimate_seconds(func, vals, {}, [vals[0]]) if self.estimate else made.cost
+        general = record(facts, func, inputs, cost, args=targs, kwargs=None, slots=slots,
+                         grad=torch.is_grad_enabled(), rng_state=None, fresh=(), mutated=[s], replayable=True)
+        if not s.recomputable:
+            general.replayable = False  # Runtime.complete's decision
+        for field in ("name", "func", "cost", "replayable", "grad", "versions", "derive", "fresh", "clone_args",
+                      "slots", "inputs", "args", "kwargs", "rng"):
+            got, want = getattr(made, field), getattr(general, field)
+            _expect(facts, path, field, got, want, _same(got, want))
+        got = list(made.consts[1::3])
+        _expect(facts, path, "constants", got, consts, _same(got, consts))
+        got = [(o.sid, o.nbytes, o.index, o.value is value or o.value is None) for o in made.outputs]
+        want = [(new.sid, s.nbytes, 0, True)]
+        _expect(facts, path, "outputs (storage, bytes, index, value)", got, want, got == want)
 
     def _run_view(self, facts, func, base: DTRTensor, args):
         result = super()._run_view(facts, func, base, args)

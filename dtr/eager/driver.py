@@ -22,8 +22,9 @@ Most ops go through ``Driver._run``; three kinds have paths of their own: a view
 tensor (``Views._run_view``, views.py, with ``detach`` and in-place view changes), a collective
 (collectives.py, Note [Collectives] in ops.py) and autograd summing gradients
 (``Gradients._sum``, gradients.py). Simple ops (one new tensor, no writes) and one-view ops
-register their one output inline; ``DTR_CROSSCHECK=1`` compares those records with the
-general path's (crosscheck.py). The driver is the runtime's ``Executor``: ``replay`` here,
+register their one output inline, and the native path registers ops of several new tensors
+and in-place ops of ``facts.in_place`` itself; ``DTR_CROSSCHECK=1`` compares those records with
+the general path's (crosscheck.py). The driver is the runtime's ``Executor``: ``replay`` here,
 ``forget`` the constant table's, the swapping half ``HostCopies`` (host_copies.py).
 
 Ops whose outputs alias a constant (``weight.t()``) return plain tensors: a view of a constant
@@ -346,10 +347,10 @@ class Driver(Views, Gradients, HostCopies):
         return defined
 
     def _run(self, facts, func, args, kwargs):
-        """Run an op on tensors of this engine and register its results: natively for a simple
-        op, or one of ``facts.several``, without keyword arguments where the native path takes
-        it (native.py), else ``_execute``."""
-        if (facts.simple or facts.several) and self.native is not None and not kwargs:
+        """Run an op on tensors of this engine and register its results: natively for an op
+        of ``facts.simple``, ``facts.several`` or ``facts.in_place`` without keyword arguments
+        where the native path takes it (native.py), else ``_execute``."""
+        if (facts.simple or facts.several or facts.in_place) and self.native is not None and not kwargs:
             out = self.native(self, facts, func, args)
             if out is not native.FALLBACK:
                 return out

@@ -1,18 +1,18 @@
 """The only module that knows about ``dtr_ext._hotpath``: the eager driver's per-op path in one
 native call (hotpath.c's header lists what it runs and what it leaves to Python).
 
-``run_simple(driver, facts, func, args)`` runs such an op as ``Driver._run`` does, or returns
-``FALLBACK`` having changed nothing (but wrappers resolved to their storage's newest version,
-which the Python path does first too), for the Python path to run it (hotpath.c says when).
-``dispatcher(driver)`` is ``driver.dispatch`` with its preamble native too (the lock, queued
-wrapper deaths, the autograd node); it runs simple ops with ``run_simple``'s code, one-view ops,
-``detach`` and views of constants itself, and hands the others to ``Driver._route``: a
-``Driver`` installs it as its ``dispatch``. The
-Python code stays the definition of what an op does; the native path mirrors it, and
-tests/test_native.py checks that both build the same records and make the same decisions.
-Without the native module (no C compiler at install, or ``DTR_PUREPYTHON=1`` at import)
-``run_simple`` is None and every op takes the Python path; ``NATIVE`` tells which is in use,
-and ``WHY_NOT`` why not.
+``run_simple(driver, facts, func, args)`` runs an op of ``facts.simple``, ``facts.several`` or
+``facts.in_place`` as ``Driver._run`` does, or returns ``FALLBACK`` having changed nothing (but
+wrappers resolved to their storage's newest version, which the Python path does first too),
+for the Python path to run it (hotpath.c says when). ``dispatcher(driver)`` is
+``driver.dispatch`` with its preamble native too (the lock, queued wrapper deaths, the autograd
+node); it runs those ops with ``run_simple``'s code, one-view ops, ``detach`` and views of
+constants itself, and hands the others to ``Driver._route``: a ``Driver`` installs it as its
+``dispatch``. The Python code stays the definition of what an op does; the native path mirrors
+it, and tests/test_native.py checks that both build the same records and make the same
+decisions. Without the native module (no C compiler at install, or ``DTR_PUREPYTHON=1`` at
+import) ``run_simple`` is None and every op takes the Python path; ``NATIVE`` tells which is in
+use, and ``WHY_NOT`` why not.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
-from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
+from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage, carry_views
 from dtr.eager import accumulation, output_size
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
@@ -64,6 +64,7 @@ def _config() -> dict:
         "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor,
         "ADD_FACTS": facts_for(torch.ops.aten.add_.Tensor), "EXTERNAL": EXTERNAL,
         "graph_task_id": torch._C._current_graph_task_id, "accumulation": accumulation,
+        "carry_views": carry_views,
     }
 
 

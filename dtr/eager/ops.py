@@ -74,6 +74,7 @@ class OpFacts:
         "placeholder",
         "simple",
         "several",
+        "in_place",
         "one_view",
         "sized",
     )
@@ -101,6 +102,9 @@ class OpFacts:
         # Writes nothing and returns this many new tensors (two or more, each maybe None or
         # empty: convolution_backward, var_mean); 0 otherwise.
         self.several = 0
+        # Writes its first argument and returns it, writes nothing else and draws no random
+        # numbers (``add_``, ``sigmoid_``, ``relu_``): the native path runs it (hotpath.c).
+        self.in_place = False
         self.one_view = False  # a view op returning one view of its only tensor argument
         # Its output sizes may be found on the meta device before it runs (output_size.py):
         # an aten op returning a new tensor. Other namespaces' kernels may be Python code with
@@ -266,6 +270,8 @@ def _compute(func) -> OpFacts:
         f.returns = tuple((FRESH, False, None) for _ in schema.returns)
     elif written:
         f.kind = Kind.WRITE
+        f.in_place = (f.written == ((0, None),) and f.returns == ((WRITTEN, False, (0, None)),)
+                      and not f.random)
     elif name in _UNDECLARED_VIEWS:
         f.kind = Kind.VIEW
         f.view_of = 0
