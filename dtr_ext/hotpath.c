@@ -1473,7 +1473,10 @@ static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, Py
     s = storage_of(c); /* Driver._sort_written's ``mutated`` */
     if (SLOT(s, S_off[S_state]) != O_RESIDENT) return Py_NewRef(O_FALLBACK); /* handed out, or to acquire */
     int r = PyObject_IsTrue(SLOT(s, S_off[S_uses]));
-    if (r > 0) r = !recomputable(s); /* -1 stays -1: before_write would make its dependents permanent */
+    if (r > 0) { /* read by records: before_write would make them permanent unless s is recomputable */
+        int q = recomputable(s);
+        r = q < 0 ? -1 : !q;
+    }
     if (r < 0) return NULL;
     if (r) return Py_NewRef(O_FALLBACK);
     Py_INCREF(s);
@@ -2014,7 +2017,8 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
 
 static PyMethodDef dispatch_def = {
     "dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
-    "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops and ops of several new tensors."};
+    "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops, ops of several new tensors, "
+    "in-place ops that write their first argument, one-view ops, detach and gradient sums."};
 
 static PyObject *dispatcher(PyObject *module, PyObject *driver) {
     if (!bound) {

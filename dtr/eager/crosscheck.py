@@ -5,7 +5,8 @@ The driver registers most ops on one-pass paths that skip the general path's boo
 simple ops (``Driver._run`` with ``facts.simple``: no writes, one new tensor), ops of several
 new tensors (``facts.several``, natively registered: hotpath.c's ``several_outputs``), in-place
 ops (``facts.in_place``, hotpath.c's ``in_place_op``: compared through the record of the
-written storage's new version, from what the general path would have scanned before the op),
+written storage's new version, from what the general path would have scanned before the op,
+where the native path registered it rather than falling back to the general one),
 one-view ops (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into
 a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
 record what the general path would: a drift shows only as a wrong replay, later, or never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
@@ -55,15 +56,23 @@ class CrosscheckedDriver(Driver):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.crosschecked: Counter = Counter()  # path -> comparisons made
+        self._executed = 0  # calls of the general path, ``_execute``
+
+    def _execute(self, facts, func, args, kwargs):
+        self._executed += 1
+        return super()._execute(facts, func, args, kwargs)
 
     def _run(self, facts, func, args, kwargs):
         before = self._before_in_place(args) if facts.in_place and not kwargs else None
+        executed = self._executed
         result = super()._run(facts, func, args, kwargs)
         if facts.simple:
             self._compare("simple op", facts, func, args, kwargs, result, None)
         elif facts.several:
             self._compare("several outputs", facts, func, args, kwargs, result, None)
-        elif before is not None:
+        elif before is not None and self._executed == executed:
+            # Only where the native path registered the op: the general path's record of a
+            # fallback would be compared with itself.
             self._compare_in_place(facts, func, args, result, *before)
         return result
 

@@ -172,8 +172,9 @@ class Driver(Views, Gradients, HostCopies):
 
     def dispatch(self, func, args, kwargs):
         """Run one op (module docstring). With the native path, the driver's ``dispatch`` is
-        native.py's, which does the same natively up to ``_route``, and runs simple ops, one-view
-        ops and ``detach`` itself."""
+        native.py's, which does the same natively up to ``_route``, and runs itself simple ops,
+        ops of several new tensors, in-place ops that write their first argument, one-view ops,
+        ``detach`` and gradient sums into a permanent running sum (docs/runtime.md)."""
         facts = FACTS.get(func)
         if facts is None:
             facts = facts_for(func)
