@@ -2,9 +2,10 @@
  *
  * ``dispatcher(driver)`` is ``Driver.dispatch`` bound to one driver: it takes the runtime's lock,
  * counts the op, applies queued wrapper deaths (``Runtime.drain``: eager eviction and release),
- * follows the autograd node, and runs an op of ``facts.simple`` (one new tensor, no writes),
- * ``facts.several`` (several new tensors, no writes) or ``facts.in_place`` (it writes its first
- * argument and returns it) called without keyword arguments itself, as it does one-view ops
+ * follows the autograd node, and runs itself an op of ``facts.simple`` (one new tensor, no
+ * writes) or ``facts.several`` (several new tensors, no writes) whose keyword arguments hold no
+ * tensors, one of ``facts.in_place`` (it writes its first argument and returns it) called
+ * without keyword arguments, one-view ops
  * and autograd's gradient sums into a running sum already permanent
  * (``sum_op``: Note [Accumulation in place]); every other op goes to ``Driver._route`` (other
  * sums to ``Gradients._sum`` or ``_sum_as``), in Python.
@@ -15,7 +16,8 @@
  * run and time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
  * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
- * instead (a random op, an evicted input, another engine's wrapper, nested lists) it returns
+ * instead (a random op, an evicted input, another engine's wrapper, nested lists, a tensor or
+ * a non-empty list among the keyword arguments) it returns
  * the ``FALLBACK`` sentinel having changed nothing but wrappers resolved to their storage's newest version and parameters
  * hooked (which the Python path does first too), and the op goes to
  * ``Driver._execute``. After the kernel ran, outcomes other than one new strided tensor go to
@@ -1023,9 +1025,9 @@ fail:
     return NULL;
 }
 
-/* Call(name, inputs, cost, True, func, args, None, slots, grad) with rng None and ``fresh``. */
+/* Call(name, inputs, cost, True, func, args, kwargs, slots, grad) with rng None and ``fresh``. */
 static PyObject *new_call(PyObject *name, PyObject *inputs, PyObject *cost, PyObject *func,
-                          PyObject *args, PyObject *slots, PyObject *grad, PyObject *fresh) {
+                          PyObject *args, PyObject *kwargs, PyObject *slots, PyObject *grad, PyObject *fresh) {
     PyObject *c = T_Call->tp_alloc(T_Call, 0);
     if (c == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
@@ -1047,7 +1049,7 @@ static PyObject *new_call(PyObject *name, PyObject *inputs, PyObject *cost, PyOb
     set_slot(c, K_off[K_live], zero);
     set_slot(c, K_off[K_func], func);
     set_slot(c, K_off[K_args], args);
-    set_slot(c, K_off[K_kwargs], Py_None);
+    set_slot(c, K_off[K_kwargs], kwargs);
     set_slot(c, K_off[K_slots], slots);
     set_slot(c, K_off[K_rng], Py_None);
     set_slot(c, K_off[K_grad], grad);
@@ -1141,7 +1143,7 @@ static int seconds_now(double *t) {
 
 /* With ``cost="estimate"``, replace ``*seconds`` by the estimate (Driver._register_one, and
  * _register: ``out`` is then the tuple of the outputs, as ``flat`` makes it for several). */
-static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject *out, int several,
+static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject *kw, PyObject *out, int several,
                      PyObject **seconds) {
     PyObject *estimate = PyObject_GetAttr(driver, A_estimate);
     if (estimate == NULL) return -1;
@@ -1149,7 +1151,7 @@ static int estimated(PyObject *driver, PyObject *func, PyObject *vals, PyObject 
     Py_DECREF(estimate);
     if (on <= 0) return on;
     PyObject *outs = several ? Py_NewRef(out) : PyTuple_Pack(1, out);
-    PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, O_no_kwargs, outs, NULL) : NULL;
+    PyObject *e = outs ? PyObject_CallFunctionObjArgs(O_estimate_seconds, func, vals, kw, outs, NULL) : NULL;
     Py_XDECREF(outs);
     if (e == NULL) return -1;
     Py_SETREF(*seconds, e);
@@ -1166,23 +1168,48 @@ static int add_seconds(PyObject *driver, PyObject *seconds) {
     return r;
 }
 
-/* What ``Driver._scan`` fills for one op's positional arguments: the replay template, the
- * values, the input cells with their slots, the constants (and parameters hooked on the way). */
+/* What ``Driver._scan`` fills for one op's arguments: the replay templates, the values, the
+ * input cells with their slots, the constants (and parameters hooked on the way). ``tkw`` and
+ * ``kw``, the keyword arguments' template and values, are NULL for a call without any: ``TKW``
+ * and ``KW`` give what the Python path then passes (None, and the read-only empty mapping). */
 typedef struct {
-    PyObject *targs, *vals, *inputs, *slots, *consts, *hooks;
+    PyObject *targs, *vals, *inputs, *slots, *consts, *hooks, *tkw, *kw;
 } Scanned;
+#define SCANNED_EMPTY {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}
+#define TKW(sc) ((sc).tkw ? (sc).tkw : Py_None)
+#define KW(sc) ((sc).kw ? (sc).kw : O_no_kwargs)
 
-/* Scan ``args`` into ``sc`` (every field set or NULL), after ``first`` in ``sc->inputs`` where
- * it is not NULL (a written storage's old root): 0 done, 1 the Python path must run the op, -1
- * error. ``scanned_clear`` releases ``sc`` in every case. */
-static int scan_args(PyObject *args, PyObject *rt, PyObject *driver, Scanned *sc, PyObject *first) {
+/* Whether no keyword argument holds a tensor, for ``Driver._scan`` to find: then it leaves
+ * each value as it is, in both the template and the values (a non-empty list or tuple it would
+ * copy into a list: the Python path takes those). */
+static int plain_kwargs(PyObject *kwargs) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *v;
+    while (PyDict_Next(kwargs, &pos, &key, &v)) {
+        PyTypeObject *tp = Py_TYPE(v);
+        if (PyType_IsSubtype(tp, T_Tensor)) return 0;
+        if ((tp == &PyList_Type || tp == &PyTuple_Type) && Py_SIZE(v) > 0) return 0;
+    }
+    return 1;
+}
+
+/* Scan ``args`` and ``kwargs`` (a dict, or NULL for none) into ``sc`` (every field set or
+ * NULL), after ``first`` in ``sc->inputs`` where it is not NULL (a written storage's old root):
+ * 0 done, 1 the Python path must run the op, -1 error. ``scanned_clear`` releases ``sc`` in
+ * every case. */
+static int scan_args(PyObject *args, PyObject *kwargs, PyObject *rt, PyObject *driver, Scanned *sc,
+                     PyObject *first) {
     sc->targs = PySequence_List(args);
     sc->vals = PySequence_List(args);
     sc->inputs = first == NULL ? PyList_New(0) : PyList_New(1);
     sc->slots = PyList_New(0);
     sc->consts = PyList_New(0);
-    sc->hooks = NULL;
+    sc->hooks = sc->tkw = sc->kw = NULL;
     if (!sc->targs || !sc->vals || !sc->inputs || !sc->slots || !sc->consts) return -1;
+    if (kwargs != NULL) {
+        if (!plain_kwargs(kwargs)) return 1;
+        if ((sc->tkw = PyDict_Copy(kwargs)) == NULL || (sc->kw = PyDict_Copy(kwargs)) == NULL) return -1;
+    }
     if (first != NULL) PyList_SET_ITEM(sc->inputs, 0, Py_NewRef(first));
     return scan(args, sc->targs, sc->vals, sc->inputs, sc->slots, sc->consts, rt, driver, NULL, &sc->hooks);
 }
@@ -1194,6 +1221,8 @@ static void scanned_clear(Scanned *sc) {
     Py_CLEAR(sc->slots);
     Py_CLEAR(sc->consts);
     Py_CLEAR(sc->hooks);
+    Py_CLEAR(sc->tkw);
+    Py_CLEAR(sc->kw);
 }
 
 /* Runtime.acquire where every input is defined: lock them (-1, none locked, on error). */
@@ -1246,13 +1275,14 @@ static int use_constants(PyObject *driver, PyObject *call, PyObject *consts) {
 
 static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
                                  PyObject *out, PyObject *seconds, Scanned *sc, PyObject *grad,
-                                 PyObject *args, Py_ssize_t several);
+                                 PyObject *args, PyObject *kwargs, Py_ssize_t several);
 
-/* Driver._run for a simple op called without keyword arguments (a new reference), or
- * FALLBACK having changed nothing but resolved wrappers and hooked parameters (header). */
-static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args) {
+/* Driver._run for a simple op, or one of ``facts.several``, called with ``kwargs`` (NULL for
+ * none): a new reference, or FALLBACK having changed nothing but resolved wrappers and hooked
+ * parameters (header). */
+static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, PyObject *args, PyObject *kwargs) {
     PyObject *rt = NULL, *out = NULL, *grad = NULL, *result = NULL, *sized = NULL;
-    Scanned sc = {NULL, NULL, NULL, NULL, NULL, NULL};
+    Scanned sc = SCANNED_EMPTY;
     int locked = 0, room = 0;
     if (SLOT(facts, F_random) != Py_False) return Py_NewRef(O_FALLBACK);
     Py_ssize_t several = PyLong_AsSsize_t(SLOT(facts, F_several));
@@ -1276,23 +1306,23 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
         }
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    int r = scan_args(args, rt, driver, &sc, NULL);
+    int r = scan_args(args, kwargs, rt, driver, &sc, NULL);
     if (r < 0) goto error;
     if (r > 0) goto fallback;
     PyObject *targs = sc.targs, *vals = sc.vals, *inputs = sc.inputs, *slots = sc.slots, *consts = sc.consts;
     if (lock_defined(inputs) < 0) goto error;
     locked = 1;
     if (room) { /* Driver._make_room: the size's key, to correct by what the op makes */
-        sized = PyObject_CallMethodObjArgs(driver, A__make_room, facts, func, vals, O_no_kwargs, NULL);
+        sized = PyObject_CallMethodObjArgs(driver, A__make_room, facts, func, vals, KW(sc), NULL);
         if (sized == NULL) goto error;
     }
     double t0, t1;
     grad = PyObject_CallNoArgs(O_is_grad_enabled);
     if (grad == NULL || seconds_now(&t0) < 0) goto error;
-    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, NULL);
+    out = PyObject_VectorcallDict(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, sc.kw);
     if (out == NULL || seconds_now(&t1) < 0) goto error;
     if (sized != NULL && sized != Py_None) {
-        PyObject *r = PyObject_CallFunctionObjArgs(O_correct_size, sized, out, vals, O_no_kwargs, NULL);
+        PyObject *r = PyObject_CallFunctionObjArgs(O_correct_size, sized, out, vals, KW(sc), NULL);
         if (r == NULL) goto error;
         Py_DECREF(r);
     }
@@ -1300,7 +1330,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     if (seconds == NULL) goto error;
     if (several) {
         locked = 0; /* several_outputs unlocks on every outcome */
-        result = several_outputs(driver, rt, facts, func, out, seconds, &sc, grad, args, several);
+        result = several_outputs(driver, rt, facts, func, out, seconds, &sc, grad, args, kwargs, several);
         goto done;
     }
     long long nbytes = 0;
@@ -1309,14 +1339,14 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     if (!native || !nbytes) {
         /* Driver._register_one: the Python continuation (it unlocks on error) */
         locked = 0;
-        PyObject *a[14] = {driver, facts, func, out, seconds, inputs, targs, Py_None,
-                           slots, consts, grad, Py_None, vals, O_no_kwargs};
+        PyObject *a[14] = {driver, facts, func, out, seconds, inputs, targs, TKW(sc),
+                           slots, consts, grad, Py_None, vals, KW(sc)};
         result = PyObject_VectorcallMethod(A__register_one, a, 14 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(seconds);
         goto done;
     }
     /* Driver._register_one's common case: one new strided tensor */
-    if (estimated(driver, func, vals, out, 0, &seconds) < 0) goto error_seconds;
+    if (estimated(driver, func, vals, KW(sc), out, 0, &seconds) < 0) goto error_seconds;
     {
         if (add_seconds(driver, seconds) < 0) goto error_seconds;
         long long largest;
@@ -1325,7 +1355,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     }
     PyObject *targs_t = PyList_AsTuple(targs);
     PyObject *slots_t = targs_t ? PyList_AsTuple(slots) : NULL;
-    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, O_first) : NULL;
+    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, TKW(sc), slots_t, grad, O_first) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots_t);
     Py_DECREF(seconds);
@@ -1374,7 +1404,7 @@ done:
  * ``Driver._register_several``. The inputs are unlocked on every outcome. */
 static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
                                  PyObject *out, PyObject *seconds, Scanned *sc, PyObject *grad,
-                                 PyObject *args, Py_ssize_t several) {
+                                 PyObject *args, PyObject *kwargs, Py_ssize_t several) {
     PyObject *inputs = sc->inputs, *consts = sc->consts, *result = NULL;
     long long nbytes[MAX_SEVERAL], largest;
     PyObject *values[MAX_SEVERAL];
@@ -1392,13 +1422,13 @@ static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts
         }
     }
     if (!native || k == 0) {
-        PyObject *a[12] = {driver, facts, func, out, seconds, inputs, sc->targs, sc->slots, consts, grad,
-                           sc->vals, args};
-        result = PyObject_VectorcallMethod(A__register_several, a, 12 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *a[15] = {driver, facts, func, out, seconds, inputs, sc->targs, TKW(*sc), sc->slots, consts,
+                           grad, sc->vals, KW(*sc), args, kwargs ? kwargs : O_no_kwargs};
+        result = PyObject_VectorcallMethod(A__register_several, a, 15 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(seconds);
         return result;
     }
-    if (estimated(driver, func, sc->vals, out, 1, &seconds) < 0 || add_seconds(driver, seconds) < 0 ||
+    if (estimated(driver, func, sc->vals, KW(*sc), out, 1, &seconds) < 0 || add_seconds(driver, seconds) < 0 ||
         attr_ll(driver, A_largest_output, &largest) < 0)
         goto error_seconds;
     for (Py_ssize_t i = 0; i < k; i++)
@@ -1416,7 +1446,7 @@ static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts
     }
     PyObject *targs_t = PyList_AsTuple(sc->targs);
     PyObject *slots_t = targs_t ? PyList_AsTuple(sc->slots) : NULL;
-    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, fresh) : NULL;
+    PyObject *call = slots_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, TKW(*sc), slots_t, grad, fresh) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots_t);
     Py_DECREF(fresh);
@@ -1460,7 +1490,7 @@ error:
  * hooked parameters. */
 static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func, PyObject *args) {
     PyObject *out = NULL, *grad = NULL, *seconds = NULL, *call = NULL, *result = NULL;
-    Scanned sc = {NULL, NULL, NULL, NULL, NULL, NULL};
+    Scanned sc = SCANNED_EMPTY;
     int locked = 0;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *written = n ? PyTuple_GET_ITEM(args, 0) : NULL;
@@ -1480,7 +1510,7 @@ static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, Py
     if (r < 0) return NULL;
     if (r) return Py_NewRef(O_FALLBACK);
     Py_INCREF(s);
-    r = scan_args(args, rt, driver, &sc, s);
+    r = scan_args(args, NULL, rt, driver, &sc, s);
     if (r < 0) goto done;
     if (r > 0) {
         result = Py_NewRef(O_FALLBACK);
@@ -1494,7 +1524,7 @@ static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, Py
     if (grad == NULL || seconds_now(&t0) < 0) goto done;
     out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), n, NULL);
     if (out == NULL || seconds_now(&t1) < 0) goto done;
-    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, func, vals, out, 0, &seconds) < 0 ||
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, func, vals, O_no_kwargs, out, 0, &seconds) < 0 ||
         add_seconds(driver, seconds) < 0)
         goto done;
     /* recording.record: one version, and the inputs over the written storage derived from it */
@@ -1515,7 +1545,7 @@ static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, Py
     PyObject *targs_t = PyList_AsTuple(sc.targs);
     PyObject *slots_t = targs_t ? PyList_AsTuple(sc.slots) : NULL;
     PyObject *one = slots_t ? PyLong_FromLong(1) : NULL;
-    call = one ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots_t, grad, EMPTY) : NULL;
+    call = one ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, Py_None, slots_t, grad, EMPTY) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots_t);
     if (call != NULL) {
@@ -1573,12 +1603,12 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     if (out == NULL || seconds_now(&t1) < 0) goto error;
     seconds = PyFloat_FromDouble(t1 - t0);
     if (seconds == NULL) goto error;
-    if (estimated(driver, func, vals, out, 0, &seconds) < 0) goto error;
+    if (estimated(driver, func, vals, O_no_kwargs, out, 0, &seconds) < 0) goto error;
     locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
     if (add_seconds(driver, seconds) < 0) goto error;
     PyObject *targs_t = PyList_AsTuple(targs);
     PyObject *slots = targs_t ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : NULL;
-    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, slots, grad, O_first) : NULL;
+    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, Py_None, slots, grad, O_first) : NULL;
     Py_XDECREF(targs_t);
     Py_XDECREF(slots);
     if (call == NULL) goto error;
@@ -1799,7 +1829,7 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     PyObject *out = NULL, *seconds = NULL, *rec = NULL, *result = NULL;
     Scanned sc;
     int locked = 0;
-    int r = scan_args(args, rt, driver, &sc, NULL);
+    int r = scan_args(args, NULL, rt, driver, &sc, NULL);
     if (r < 0) goto done;
     if (r > 0) { /* an input to rematerialize, or another engine's wrapper */
         result = PyObject_CallMethodOneArg(driver, A__add_to_permanent, args);
@@ -1812,7 +1842,7 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     if (seconds_now(&t0) < 0) goto done;
     out = PyObject_Vectorcall(SLOT(O_ADD_FACTS, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
     if (out == NULL || seconds_now(&t1) < 0) goto done;
-    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, O_ADD_, vals, out, 0, &seconds) < 0)
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL || estimated(driver, O_ADD_, vals, O_no_kwargs, out, 0, &seconds) < 0)
         goto done;
     locked = 0;
     if (add_seconds(driver, seconds) < 0) {
@@ -1855,22 +1885,24 @@ static PyObject *sum_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObjec
 }
 
 static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
-    if (argc != 4 || !PyTuple_Check(argv[3])) {
-        PyErr_SetString(PyExc_TypeError, "run_simple(driver, facts, func, args: tuple)");
+    if (argc < 4 || argc > 5 || !PyTuple_Check(argv[3]) || (argc == 5 && !PyDict_Check(argv[4]))) {
+        PyErr_SetString(PyExc_TypeError, "run_simple(driver, facts, func, args: tuple, kwargs: dict = {})");
         return NULL;
     }
+    PyObject *kwargs = argc == 5 && PyDict_GET_SIZE(argv[4]) ? argv[4] : NULL;
     if (!bound) {
         PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() was not called");
         return NULL;
     }
     if (SLOT(argv[1], F_in_place) == Py_True) {
+        if (kwargs != NULL) return Py_NewRef(O_FALLBACK);
         PyObject *rt = PyObject_GetAttr(argv[0], A_rt);
         if (rt == NULL) return NULL;
         PyObject *r = in_place_op(argv[0], rt, argv[1], argv[2], argv[3]);
         Py_DECREF(rt);
         return r;
     }
-    return simple_op(argv[0], argv[1], argv[2], argv[3]);
+    return simple_op(argv[0], argv[1], argv[2], argv[3], kwargs);
 }
 
 /* The rest of an op, under the runtime's lock: Driver.dispatch after its preamble. */
@@ -1939,8 +1971,9 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
         PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
         result = PyObject_VectorcallMethod(A__execute, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         goto done;
-    } else if ((SLOT(facts, F_simple) == Py_True || PyLong_AsSsize_t(SLOT(facts, F_several)) > 0) && no_kwargs) {
-        if (func == O_ADD && PyTuple_GET_SIZE(args) == 2) {
+    } else if ((SLOT(facts, F_simple) == Py_True || PyLong_AsSsize_t(SLOT(facts, F_several)) > 0) &&
+               (no_kwargs || PyDict_Check(kwargs))) {
+        if (func == O_ADD && no_kwargs && PyTuple_GET_SIZE(args) == 2) {
             /* Gradients._summing's conditions hold only with grad mode off: test them then */
             PyObject *grad = PyObject_CallNoArgs(O_is_grad_enabled);
             if (grad == NULL) goto done;
@@ -1952,7 +1985,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
                 goto done;
             }
         }
-        result = simple_op(driver, facts, func, args);
+        result = simple_op(driver, facts, func, args, no_kwargs ? NULL : kwargs);
         if (result != O_FALLBACK) goto done;
         Py_DECREF(result);
         PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};

@@ -367,6 +367,88 @@ def test_both_paths_register_in_place_ops_alike(fraction):
         assert torch.equal(mine, theirs) and torch.equal(mine, ref)
 
 
+def _kwargs_step(limit=None, python=False):
+    """A step of ops called with keyword arguments, as autocast and user code call them: a cast
+    (``_to_copy(dtype=)``), ``add(alpha=)``, ``ones_like(dtype=)``, ``sum(dtype=)``, a factory
+    (``scalar_tensor``, as ``torch.where`` with a number makes it), ``var_mean(correction=)`` of
+    several outputs, the same of an empty tensor (only empty outputs: the Python continuation),
+    and ``searchsorted(sorter=)``, whose keyword argument is a tensor (the Python path). Returns
+    the gradients, the graph after the backward, the evictions after each op, the stats, the
+    names of the ops that reached ``_execute`` or ``_register_several``, and the keyword
+    arguments ``_make_room`` was given; with ``limit=False``, eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    edges = torch.arange(8.0)
+    engine = dtr.budget(limit, cost="estimate") if limit is not False else None
+    graph = None
+    in_python = []
+    room = []
+    spied = {name: getattr(Driver, name) for name in ("_execute", "_register_several")}
+    make_room = Driver._make_room
+
+    def spy(name):
+        def run(driver, facts, *args):
+            in_python.append(facts.name)
+            return spied[name](driver, facts, *args)
+        return run
+
+    def sized(driver, facts, func, vals, kw):
+        room.append((facts.name, {k: _tensor(v) for k, v in kw.items()}))
+        return make_room(driver, facts, func, vals, kw)
+
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
+            pytest.MonkeyPatch.context() as patch:
+        for name in spied:
+            patch.setattr(Driver, name, spy(name))
+        patch.setattr(Driver, "_make_room", sized)
+        with engine if engine is not None else contextlib.nullcontext():
+            h = torch.tanh(x @ w)
+            wide = h.to(torch.float64)
+            h = torch.add(h, wide.to(torch.float32), alpha=0.5)
+            h = torch.where(h > 0, h, 0.25) * torch.ones_like(h, dtype=torch.float32)
+            var, mean = torch.var_mean(h, 1, correction=0)
+            nothing, _ = torch.var_mean(h[:0], 1, correction=0)
+            bins = torch.searchsorted(edges, h.detach(), sorter=torch.arange(8))
+            loss = var.sum() + mean.sum(dtype=torch.float64).float() + nothing.sum() + (bins.sum() * 0).float()
+            loss.backward()
+            if engine is not None:
+                graph = _graph(engine.runtime)
+    return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python, room
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@pytest.mark.filterwarnings("ignore:var_mean.*degrees of freedom")  # of the empty tensor
+@needs_native
+def test_both_paths_register_ops_with_keyword_arguments_alike(fraction):
+    """Simple ops and ops of several outputs whose keyword arguments hold no tensors run
+    natively, and build the graph the Python path builds (the records' keyword templates
+    included): evictions after each op, the keyword arguments room is made with, stats equal;
+    gradients eager's. A tensor among the keyword arguments takes the Python path."""
+    eager = _kwargs_step(False)[0]
+    unlimited = _kwargs_step(None)[3]
+    limit = None if fraction is None else budget_at(unlimited, fraction)
+    grads, graph, evicted, stats, in_python, room = _kwargs_step(limit)
+    py_grads, py_graph, py_evicted, py_stats, py_in_python, py_room = _kwargs_step(limit, python=True)
+    with_kwargs = {"aten._to_copy.default", "aten.add.Tensor", "aten.ones_like.default", "aten.sum.default",
+                   "aten.scalar_tensor.default", "aten.var_mean.correction"}
+    assert with_kwargs <= set(py_in_python)
+    assert "aten.searchsorted.Tensor" in in_python
+    assert "aten.var_mean.correction" in in_python  # the empty one, in _register_several
+    if fraction is None:  # under a budget an op with an evicted input takes the Python path
+        assert in_python.count("aten.var_mean.correction") == 1, in_python
+        assert not (with_kwargs - {"aten.var_mean.correction"}) & set(in_python), in_python
+    else:
+        assert stats.evictions > 0
+        assert any(kw for _, kw in room), room
+    assert room == py_room
+    assert graph == py_graph
+    assert evicted == py_evicted
+    assert stats == py_stats
+    for mine, theirs, ref in zip(grads, py_grads, eager):
+        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+
+
 def _sums_step(limit=None, python=False):
     """A step whose backward sums gradients every way the native path decides: a weight used
     nine times (its running sum written in place), one used through ``F.linear`` (gradients

@@ -349,10 +349,10 @@ class Driver(Views, Gradients, HostCopies):
 
     def _run(self, facts, func, args, kwargs):
         """Run an op on tensors of this engine and register its results: natively for an op
-        of ``facts.simple``, ``facts.several`` or ``facts.in_place`` without keyword arguments
-        where the native path takes it (native.py), else ``_execute``."""
-        if (facts.simple or facts.several or facts.in_place) and self.native is not None and not kwargs:
-            out = self.native(self, facts, func, args)
+        of ``facts.simple`` or ``facts.several``, or of ``facts.in_place`` without keyword
+        arguments, where the native path takes it (native.py), else ``_execute``."""
+        if (facts.simple or facts.several or (facts.in_place and not kwargs)) and self.native is not None:
+            out = self.native(self, facts, func, args, kwargs)
             if out is not native.FALLBACK:
                 return out
         return self._execute(facts, func, args, kwargs)
@@ -415,12 +415,13 @@ class Driver(Views, Gradients, HostCopies):
         return self._register(facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw,
                               args, kwargs, mutated, not ((const_written and not facts.hidden_writes) or external_written))
 
-    def _register_several(self, facts, func, out, seconds, inputs, targs, slots, consts, grad, vals, args):
+    def _register_several(self, facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, vals, kw,
+                          args, kwargs):
         """Register the outputs of an op of ``facts.several`` that the native path ran on
-        acquired ``inputs`` (no keyword arguments, RNG or writes) and does not register itself:
-        one that returned an input, or an output returned plain."""
-        return self._register(facts, func, out, seconds, inputs, targs, None, slots, consts, grad, None, vals,
-                              _NO_KWARGS, args, _NO_KWARGS, [], True)
+        acquired ``inputs`` (no RNG or writes) and does not register itself: one that returned
+        an input, or an output returned plain."""
+        return self._register(facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, None, vals,
+                              kw, args, kwargs, [], True)
 
     def _register(self, facts, func, out, seconds, inputs, targs, tkw, slots, consts, grad, state, vals, kw,
                   args, kwargs, mutated, replayable):

@@ -1,8 +1,9 @@
 """The only module that knows about ``dtr_ext._hotpath``: the eager driver's per-op path in one
 native call (hotpath.c's header lists what it runs and what it leaves to Python).
 
-``run_simple(driver, facts, func, args)`` runs an op of ``facts.simple``, ``facts.several`` or
-``facts.in_place`` as ``Driver._run`` does, or returns ``FALLBACK`` having changed nothing (but
+``run_simple(driver, facts, func, args, kwargs={})`` runs an op of ``facts.simple``,
+``facts.several`` or ``facts.in_place`` as ``Driver._run`` does, or returns ``FALLBACK`` having
+changed nothing (but
 wrappers resolved to their storage's newest version, which the Python path does first too),
 for the Python path to run it (hotpath.c says when). ``dispatcher(driver)`` is
 ``driver.dispatch`` with its preamble native too (the lock, queued wrapper deaths, the autograd
