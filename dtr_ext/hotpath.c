@@ -5,7 +5,7 @@
  * follows the autograd node, and runs itself an op of ``facts.simple`` (one new tensor, no
  * writes) or ``facts.several`` (several new tensors, no writes) whose keyword arguments hold no
  * tensors, one of ``facts.in_place`` (it writes its first argument and returns it) called
- * without keyword arguments, one-view ops
+ * without keyword arguments, view ops returning one view or a list of views (``views_op``)
  * and autograd's gradient sums into a running sum already permanent
  * (``sum_op``: Note [Accumulation in place]); every other op goes to ``Driver._route`` (other
  * sums to ``Gradients._sum`` or ``_sum_as``), in Python.
@@ -80,7 +80,7 @@ static Py_ssize_t C_off[C_N];
 #define C_index C_off[C_INDEX]
 #define C_value C_off[C_VALUE]
 #define C_forward C_off[C_FORWARD]
-static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_several, F_in_place, F_kind, F_one_view,
+static Py_ssize_t F_kernel, F_name, F_random, F_sized, F_simple, F_several, F_in_place, F_kind, F_one_view, F_list_view,
     F_view_of;
 enum {
     S_runtime, S_sid, S_nbytes, S_state, S_locks, S_refs, S_uses, S_last_access, S_cost, S_parent,
@@ -119,7 +119,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
-    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several,
+    *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -847,17 +847,17 @@ fail:
 }
 
 /* outputs.new_view(base's storage, rec, 0, value): a new reference. */
-static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, PyObject *value) {
+static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_t index, PyObject *value) {
     PyObject *c = T_Cell->tp_alloc(T_Cell, 0);
     if (c == NULL) return NULL;
-    PyObject *zero = PyLong_FromLong(0);
-    if (zero == NULL) {
+    PyObject *at = PyLong_FromSsize_t(index);
+    if (at == NULL) {
         Py_DECREF(c);
         return NULL;
     }
     set_slot(c, C_storage, storage_of(base));
     set_slot(c, C_parent, rec);
-    steal_slot(c, C_index, zero);
+    steal_slot(c, C_index, at);
     set_slot(c, C_value, value);
     set_slot(c, C_forward, Py_None);
     PyObject *r = PyObject_CallMethodOneArg(storage_of(base), A_add_view, c);
@@ -917,10 +917,10 @@ static PyObject *new_version(PyObject *rt, PyObject *rec, PyObject *s, PyObject 
 
 /* Runtime.complete(rec, mutated, fresh) for a runtime without a host tier, where ``mutated`` is
  * NULL or the one storage ``rec`` wrote in place (its new version is output 0), and ``fresh``
- * is ``n`` new storages (``nbytes[i]``, ``values[i]``; none for an op that made nothing), or
- * with ``base`` (and no ``mutated``) one view of it: the first fresh output's cell (a new
- * reference; the others are in ``rec.outputs``; None when ``n`` is 0), or NULL with the inputs
- * unlocked. */
+ * is ``n`` new storages (``nbytes[i]``, ``values[i]``; none for an op that made nothing): the
+ * first fresh output's cell (a new reference; the others are in ``rec.outputs``; None when
+ * ``n`` is 0); or, with ``base`` (and no ``mutated``), ``n`` views of it (``values[i]``; n >= 1):
+ * a tuple of their cells. NULL with the inputs unlocked on error. */
 static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long long *nbytes,
                           PyObject *const *values, PyObject *base, PyObject *mutated) {
     PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
@@ -957,13 +957,18 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
         }
         s = Py_NewRef(n ? PyList_GET_ITEM(outs, m) : Py_None);
     } else {
-        s = new_view(rt, base, rec, values[0]);
-        if (s == NULL) goto fail;
-        outs = PyList_New(1);
+        s = PyTuple_New(n);
+        outs = PyList_New(n);
         new = PyList_New(0);
-        PyObject *weak = outs && new ? PyWeakref_NewRef(s, NULL) : NULL; /* Note [Views held weakly] */
-        if (weak == NULL) goto fail;
-        PyList_SET_ITEM(outs, 0, weak);
+        if (s == NULL || outs == NULL || new == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = new_view(rt, base, rec, i, values[i]);
+            if (v == NULL) goto fail;
+            PyTuple_SET_ITEM(s, i, v);
+            PyObject *weak = PyWeakref_NewRef(v, NULL); /* Note [Views held weakly] */
+            if (weak == NULL) goto fail;
+            PyList_SET_ITEM(outs, i, weak);
+        }
     }
     set_slot(rec, K_off[K_outputs], outs);
     if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
@@ -1612,12 +1617,11 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     Py_XDECREF(targs_t);
     Py_XDECREF(slots);
     if (call == NULL) goto error;
-    long long none = 0;
-    PyObject *cell = complete(rt, call, 1, &none, &out, c, NULL);
+    PyObject *cells = complete(rt, call, 1, NULL, &out, c, NULL);
     Py_DECREF(call);
-    if (cell == NULL) goto error;
-    result = make_wrapper(out, rt, cell);
-    Py_DECREF(cell);
+    if (cells == NULL) goto error;
+    result = make_wrapper(out, rt, PyTuple_GET_ITEM(cells, 0));
+    Py_DECREF(cells);
     if (result != NULL) registered++;
     goto done;
 error:
@@ -1629,6 +1633,91 @@ done:
     Py_XDECREF(grad);
     Py_XDECREF(out);
     Py_XDECREF(seconds);
+    return result;
+}
+
+/* Views._run_views: a view op of ``facts.list_view`` (``split``, ``unbind``, ``unsafe_split``) of
+ * this engine's ``base`` (argument ``i``), without keyword arguments: a list of wrappers (a new
+ * reference), an empty list as ``Driver._register`` registers it, or FALLBACK (base evicted). */
+static PyObject *views_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
+                          PyObject *base, PyObject *args, Py_ssize_t i) {
+    PyObject *c = resolved(rt, SLOT(base, W_dtr));
+    if (c == NULL) return NULL;
+    PyObject *s = storage_of(c);
+    if (value_of(c) == Py_None) return Py_NewRef(O_FALLBACK); /* to recompute */
+    PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *fast = NULL,
+             *seconds = NULL, *slots = NULL, *call = NULL, *cells = NULL, *result = NULL;
+    int locked = 0;
+    targs = PySequence_List(args);
+    vals = PySequence_List(args);
+    inputs = PyList_New(1);
+    if (!targs || !vals || !inputs) goto error;
+    PyList_SET_ITEM(inputs, 0, Py_NewRef(c));
+    PyList_SetItem(targs, i, Py_NewRef(Py_None));
+    PyList_SetItem(vals, i, Py_NewRef(value_of(c)));
+    if (add_slot(s, S_off[S_locks], 1) < 0) goto error;
+    locked = 1;
+    double t0, t1;
+    grad = PyObject_CallNoArgs(O_is_grad_enabled);
+    if (grad == NULL || seconds_now(&t0) < 0) goto error;
+    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
+    if (out == NULL || seconds_now(&t1) < 0) goto error;
+    if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL) goto error;
+    if ((fast = PySequence_Fast(out, "a view op of facts.list_view returned no sequence")) == NULL) goto error;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    slots = n ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : Py_BuildValue("[(nin)]", i, -1, (Py_ssize_t)0);
+    if (slots == NULL) goto error;
+    if (n == 0) { /* the general registration, which unlocks */
+        PyObject *consts = PyList_New(0);
+        PyObject *mutated = consts ? PyList_New(0) : NULL;
+        if (mutated == NULL) {
+            Py_XDECREF(consts);
+            goto error;
+        }
+        locked = 0;
+        PyObject *a[18] = {driver, facts, func, out, seconds, inputs, targs, Py_None, slots, consts, grad, Py_None,
+                           vals, O_no_kwargs, args, O_no_kwargs, mutated, Py_True};
+        result = PyObject_VectorcallMethod(A__register, a, 18 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(consts);
+        Py_DECREF(mutated);
+        goto done;
+    }
+    if (estimated(driver, func, vals, O_no_kwargs, out, 1, &seconds) < 0) goto error;
+    locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
+    if (add_seconds(driver, seconds) < 0) goto error;
+    PyObject *fresh = PyTuple_New(n);
+    for (Py_ssize_t j = 0; fresh != NULL && j < n; j++) {
+        PyObject *p = PyLong_FromSsize_t(j);
+        if (p == NULL) Py_CLEAR(fresh);
+        else PyTuple_SET_ITEM(fresh, j, p);
+    }
+    PyObject *targs_t = fresh ? PyList_AsTuple(targs) : NULL;
+    call = targs_t ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, Py_None, slots, grad, fresh) : NULL;
+    Py_XDECREF(fresh);
+    Py_XDECREF(targs_t);
+    if (call == NULL) goto error;
+    if ((cells = complete(rt, call, n, NULL, PySequence_Fast_ITEMS(fast), c, NULL)) == NULL) goto done;
+    result = PyList_New(n);
+    for (Py_ssize_t j = 0; result != NULL && j < n; j++) {
+        PyObject *w = make_wrapper(PySequence_Fast_GET_ITEM(fast, j), rt, PyTuple_GET_ITEM(cells, j));
+        if (w == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, j, w);
+    }
+    if (result != NULL) registered++;
+    goto done;
+error:
+    if (locked) unlock_after_error(rt, inputs);
+done:
+    Py_XDECREF(targs);
+    Py_XDECREF(vals);
+    Py_XDECREF(inputs);
+    Py_XDECREF(grad);
+    Py_XDECREF(out);
+    Py_XDECREF(fast);
+    Py_XDECREF(seconds);
+    Py_XDECREF(slots);
+    Py_XDECREF(call);
+    Py_XDECREF(cells);
     return result;
 }
 
@@ -1946,7 +2035,8 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
     }
     int no_kwargs = kwargs == NULL || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
     PyObject *kind = SLOT(facts, F_kind);
-    if (kind == O_DETACH || (kind == O_VIEW && no_kwargs && SLOT(facts, F_one_view) == Py_True)) {
+    if (kind == O_DETACH || (kind == O_VIEW && no_kwargs && SLOT(facts, F_one_view) == Py_True) ||
+        (kind == O_VIEW && no_kwargs && SLOT(facts, F_list_view) == Py_True)) {
         Py_ssize_t i = PyLong_AsSsize_t(SLOT(facts, F_view_of));
         if (i == -1 && PyErr_Occurred()) goto done;
         PyObject *base = i < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, i) : NULL;
@@ -1955,7 +2045,9 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
             PyObject *c = ref ? SLOT(ref, R_cell) : NULL;
             PyObject *s = c ? storage_of(c) : NULL;
             if (s != NULL && SLOT(s, S_off[S_runtime]) == rt) {
-                result = kind == O_DETACH ? alias(driver, rt, base) : view_op(driver, rt, facts, func, base, args, i);
+                result = kind == O_DETACH                          ? alias(driver, rt, base)
+                         : SLOT(facts, F_one_view) == Py_True ? view_op(driver, rt, facts, func, base, args, i)
+                                                              : views_op(driver, rt, facts, func, base, args, i);
                 if (result != O_FALLBACK) goto done;
                 Py_CLEAR(result);
             }
@@ -2051,7 +2143,7 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
 static PyMethodDef dispatch_def = {
     "dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
     "dispatch(func, args, kwargs): Driver.dispatch, natively for simple ops, ops of several new tensors, "
-    "in-place ops that write their first argument, one-view ops, detach and gradient sums."};
+    "in-place ops that write their first argument, view ops, detach and gradient sums."};
 
 static PyObject *dispatcher(PyObject *module, PyObject *driver) {
     if (!bound) {
@@ -2193,7 +2285,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     PyTypeObject *facts = (PyTypeObject *)O_Facts;
     if (offset_of(T_DTRTensor, "_dtr", &W_dtr) < 0 || offset_of(T_Ref, "cell", &R_cell) < 0 ||
         same_fields(T_Cell, C_NAMES, C_N, C_off) < 0 || offset_of(facts, "kind", &F_kind) < 0 ||
-        offset_of(facts, "one_view", &F_one_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
+        offset_of(facts, "one_view", &F_one_view) < 0 ||
+        offset_of(facts, "list_view", &F_list_view) < 0 || offset_of(facts, "view_of", &F_view_of) < 0 || offset_of(facts, "kernel", &F_kernel) < 0 ||
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 ||
         offset_of(facts, "several", &F_several) < 0 || offset_of(facts, "in_place", &F_in_place) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
@@ -2257,7 +2350,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op);
     INTERN(_make_room); INTERN(hooks);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
-    INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(_register_several); INTERN(op_seconds); INTERN(clock);
+    INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(_register_several); INTERN(_register); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);
     INTERN(_high); INTERN(on_op); INTERN(_use_constants); INTERN(size); INTERN(is_contiguous);
     INTERN(storage_offset); INTERN(stride); INTERN(dtype); INTERN(device); INTERN(_wrapper_died);

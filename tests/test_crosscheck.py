@@ -52,10 +52,12 @@ def test_one_pass_paths_record_what_the_general_path_would(name, comparisons):
         assert counts["several outputs"] > 0, counts
     if name in ("lstmcell", "resnet"):  # the cell's gates written in place; ReLU and the residual add_
         assert counts["in place"] > 0, counts
+    if name == "lstmcell":  # the cell's gates split from one tensor
+        assert counts["list-view op"] > 0, counts
 
 
 def _program(x, w):
-    """Views, in-place ops, keyword arguments, lists, a random op and a factory."""
+    """Views (one, and a list), in-place ops, keyword arguments, lists, a random op and a factory."""
     h = torch.add(x @ w, x.t().sum(0, keepdim=True).t(), alpha=0.5)
     h = torch.dropout(h, 0.25, True).relu_()
     h = torch.cat([h, h * 2], dim=1).view(h.shape[0], 2, -1).transpose(0, 1)
@@ -77,6 +79,7 @@ def test_views_in_place_ops_and_keyword_arguments(comparisons):
     assert torch.equal(w.grad, expected)
     counts = comparisons[-1]
     assert counts["simple op"] > 0 and counts["one-view op"] > 0 and counts["in place"] > 0, counts
+    assert counts["list-view op"] > 0, counts  # unbind
 
 
 def test_off_by_default(monkeypatch):

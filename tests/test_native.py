@@ -136,7 +136,7 @@ def _record(rec):
     fields = [
         type(rec).__name__, rec.name, [_cell(c) for c in rec.inputs],
         [s.sid for s in rec.use_storages],
-        [o.sid if type(o) is Storage else o is None for o in rec.outputs],
+        [o.sid if type(o) is Storage else type(o).__name__ for o in rec.outputs],  # views held weakly
         rec.cost, rec.replayable, rec.live,
         [gc.is_tracked(o) for o in (rec, rec.inputs, rec.outputs, rec.use_storages)],
     ]
@@ -166,6 +166,7 @@ def _graph(rt: Runtime):
         (
             s.sid, s.nbytes, s.state, s.locks, s.refs, s.uses, s.last_access, s.cost, s.index,
             s.value is not None, len(s.views), [t.sid for t in s.dependents],
+            [(_cell(v), _record(v.parent)) for v in (w() for w in s.views) if v is not None],
             s.forward and s.forward.sid, s.slot, s.protected, s.backward, gc.is_tracked(s),
             gc.is_tracked(s.dependents), _record(s.parent), _set_of(s),
         )
@@ -442,6 +443,76 @@ def test_both_paths_register_ops_with_keyword_arguments_alike(fraction):
         assert stats.evictions > 0
         assert any(kw for _, kw in room), room
     assert room == py_room
+    assert graph == py_graph
+    assert evicted == py_evicted
+    assert stats == py_stats
+    for mine, theirs, ref in zip(grads, py_grads, eager):
+        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+
+
+def _list_views_step(limit=None, python=False):
+    """A step of view ops returning lists (``OpFacts.list_view``): ``unsafe_chunk`` (as the
+    ``LSTMCell`` and ``GRUCell`` kernels split their gates), ``chunk``, ``split`` by sizes,
+    ``unbind``, ``unbind`` of an empty dimension (an empty list: the general registration),
+    and ``split`` of a constant (plain views). Returns the gradients, the graph after the
+    backward, the evictions after each op, the stats, and the names of the ops that reached the
+    Python path's ``_run_views``, ``_execute`` or ``_register``; with ``limit=False``,
+    eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 16, requires_grad=True)
+    w = torch.randn(16, 48, requires_grad=True)
+    c = torch.randn(12, 16)
+    engine = dtr.budget(limit, cost="estimate") if limit is not False else None
+    graph = None
+    in_python = []
+    spied = {name: getattr(Driver, name) for name in ("_run_views", "_execute", "_register")}
+
+    def spy(name):
+        def run(driver, facts, *args):
+            in_python.append((name, facts.name))
+            return spied[name](driver, facts, *args)
+        return run
+
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
+            pytest.MonkeyPatch.context() as patch:
+        for name in spied:
+            patch.setattr(Driver, name, spy(name))
+        with engine if engine is not None else contextlib.nullcontext():
+            gates = x @ w
+            i, f, g = gates.unsafe_chunk(3, 1)
+            h = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c
+            a, b = (h * 2).chunk(2, 0)
+            left, right = h.split([4, 12], 1)
+            rows = (a + b).unbind(0)
+            nothing = h[:, :0].unbind(1)
+            plain = c.split(8, 1)
+            loss = left.sum() * right.mean() + sum(r.pow(2).sum() for r in rows) + len(nothing)
+            loss = loss + (h * plain[0].sum()).sum()
+            loss.backward()
+            if engine is not None:  # with the estimated cost of the ops run, which plans profile
+                graph = _graph(engine.runtime), engine._driver.op_seconds
+    return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@needs_native
+def test_both_paths_register_list_views_alike(fraction):
+    """View ops returning a list of views of their only tensor argument run natively
+    (``views_op`` in hotpath.c), and build the graph the Python path's one-pass
+    ``Views._run_views`` builds: records, evictions after each op and stats equal, gradients
+    eager's. An empty list goes to ``Driver._register`` on both paths."""
+    eager = _list_views_step(False)[0]
+    unlimited = _list_views_step(None)[3]
+    limit = None if fraction is None else budget_at(unlimited, fraction)
+    grads, graph, evicted, stats, in_python = _list_views_step(limit)
+    py_grads, py_graph, py_evicted, py_stats, py_in_python = _list_views_step(limit, python=True)
+    lists = {"aten.unsafe_split.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int"}
+    assert lists <= {name for path, name in py_in_python if path == "_run_views"}
+    assert ("_register", "aten.unbind.int") in in_python and ("_register", "aten.unbind.int") in py_in_python
+    if fraction is None:  # under a budget an op with an evicted base takes the Python path
+        assert not [name for path, name in in_python if path != "_register" and name in lists], in_python
+    else:
+        assert stats.evictions > 0
     assert graph == py_graph
     assert evicted == py_evicted
     assert stats == py_stats

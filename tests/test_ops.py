@@ -31,6 +31,22 @@ def test_one_view_is_a_single_view_of_the_only_tensor_argument(op, one_view):
     assert facts_for(op).one_view is one_view
 
 
+
+@pytest.mark.parametrize(
+    "op, list_view",
+    [
+        (aten.split.Tensor, True),
+        (aten.split_with_sizes.default, True),
+        (aten.unsafe_split.Tensor, True),
+        (aten.unbind.int, True),
+        (aten.chunk.default, True),
+        (aten.t.default, False),  # one view
+        (aten.tanh.default, False),
+    ],
+)
+def test_list_view_is_a_list_of_views_of_the_only_tensor_argument(op, list_view):
+    assert facts_for(op).list_view is list_view
+
 VIEWS = {
     "t": lambda y: y.t(),
     "transpose": lambda y: y.transpose(0, 1),

@@ -7,7 +7,8 @@ new tensors (``facts.several``, natively registered: hotpath.c's ``several_outpu
 ops (``facts.in_place``, hotpath.c's ``in_place_op``: compared through the record of the
 written storage's new version, from what the general path would have scanned before the op,
 where the native path registered it rather than falling back to the general one),
-one-view ops (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into
+one-view ops (``Driver._run_view``), ops returning a list of views (``Driver._run_views``),
+gradient sums in place (``Gradients._sum``) and sums into
 a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
 record what the general path would: a drift shows only as a wrong replay, later, or never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
 a ``CrosscheckedDriver``: after each op a one-pass path handled, it scans the op's arguments
@@ -127,6 +128,11 @@ class CrosscheckedDriver(Driver):
         self._compare("one-view op", facts, func, args, {}, result, facts.view_of)
         return result
 
+    def _run_views(self, facts, func, base: DTRTensor, args):
+        result = super()._run_views(facts, func, base, args)
+        self._compare("list-view op", facts, func, args, {}, result, facts.view_of)
+        return result
+
     def _sum(self, facts, args) -> Any:
         # No reference to ``args[0]`` is held across the sum: its reference count is what
         # decides whether it may be summed in place (accumulation.exclusive).
@@ -168,10 +174,10 @@ class CrosscheckedDriver(Driver):
         if any(c.value is None for c in inputs):
             raise AssertionError(f"DTR_CROSSCHECK: {facts.name} ({path}): an input was evicted before comparing")
         vals, kw = fill(targs, tkw, slots, lambda k: inputs[k].value)
-        results = result if facts.several else (result,)
+        results = result if facts.several or facts.list_view else (result,)
         helds = [r._dtr.cell if type(r) is DTRTensor else None for r in results]
         outs = tuple(r if h is None else h.value for r, h in zip(results, helds))
-        out = outs if facts.several else outs[0]
+        out = outs if facts.several else list(outs) if facts.list_view else outs[0]
         base = inputs[0] if only is not None else None
         fresh, fresh_pos, same, _ = sort_outputs(facts, out, inputs, consts, base)
         self.crosschecked[path] += 1

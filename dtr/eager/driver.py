@@ -173,8 +173,9 @@ class Driver(Views, Gradients, HostCopies):
     def dispatch(self, func, args, kwargs):
         """Run one op (module docstring). With the native path, the driver's ``dispatch`` is
         native.py's, which does the same natively up to ``_route``, and runs itself simple ops,
-        ops of several new tensors, in-place ops that write their first argument, one-view ops,
-        ``detach`` and gradient sums into a permanent running sum (docs/runtime.md)."""
+        ops of several new tensors, in-place ops that write their first argument, view ops
+        returning one view or a list of views, ``detach`` and gradient sums into a permanent
+        running sum (docs/runtime.md)."""
         facts = FACTS.get(func)
         if facts is None:
             facts = facts_for(func)
@@ -210,6 +211,8 @@ class Driver(Views, Gradients, HostCopies):
                 return self._inplace_view(facts, func, base, args, kwargs)
             if facts.one_view and not kwargs:
                 return self._run_view(facts, func, base, args)
+            if facts.list_view and not kwargs:
+                return self._run_views(facts, func, base, args)
         elif kind is Kind.UNSUPPORTED:
             self._unsupported(facts, args, kwargs)
             return self.passthrough(func, args, kwargs)

@@ -76,6 +76,7 @@ class OpFacts:
         "several",
         "in_place",
         "one_view",
+        "list_view",
         "sized",
     )
 
@@ -106,6 +107,7 @@ class OpFacts:
         # numbers (``add_``, ``sigmoid_``, ``relu_``): the native path runs it (hotpath.c).
         self.in_place = False
         self.one_view = False  # a view op returning one view of its only tensor argument
+        self.list_view = False  # a view op returning a list of views of its only tensor argument
         # Its output sizes may be found on the meta device before it runs (output_size.py):
         # an aten op returning a new tensor. Other namespaces' kernels may be Python code with
         # side effects (printing, profiler ranges), which a meta run would repeat.
@@ -298,10 +300,10 @@ def _compute(func) -> OpFacts:
         raise NotImplementedError(f"dtr: plain outputs of {f.name}, which returns a list, are not supported")
     f.sized = f.kind is Kind.COMPUTE and name.startswith("aten::") and any(
         k == FRESH for i, (k, _, _) in enumerate(f.returns) if i not in f.plain_outputs)
-    if f.kind is Kind.VIEW:
-        f.one_view = f.returns == ((VIEW, False, (f.view_of, None)),) and not any(
-            _holds_tensors(a.type) for i, a in enumerate(schema.arguments) if i != f.view_of
-        )
+    if f.kind is Kind.VIEW and not any(
+            _holds_tensors(a.type) for i, a in enumerate(schema.arguments) if i != f.view_of):
+        f.one_view = f.returns == ((VIEW, False, (f.view_of, None)),)
+        f.list_view = f.returns == ((VIEW, True, (f.view_of, None)),)
     return f
 
 

@@ -1,13 +1,14 @@
-"""View ops on tensors the engine manages: a view of its only tensor in one pass, ``detach``
-and ``alias``, and in-place changes of a tensor's view (``unsqueeze_``, ``transpose_``, ...).
+"""View ops on tensors the engine manages: a view of its only tensor, or a list of them, in
+one pass, ``detach`` and ``alias``, and in-place changes of a tensor's view (``unsqueeze_``,
+``transpose_``, ...).
 
 A view is a cell of its base's storage (Note [Three levels] in core/storage.py): it adds no
 bytes, its record keeps no dependency edges (it lives and dies with its base's storage), and
 it is recomputed by replaying its op on the base. Views of constants are constants, returned
 plain (``Driver.passthrough``).
 
-``Views`` is mixed into ``Driver``, whose ``rt``, ``_run``, ``estimate`` and ``op_seconds`` it
-uses; ``Driver.dispatch`` sends it the view ops of this engine's tensors.
+``Views`` is mixed into ``Driver``, whose ``rt``, ``_run``, ``_register``, ``estimate`` and
+``op_seconds`` it uses; ``Driver.dispatch`` sends it the view ops of this engine's tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from time import perf_counter
 import torch
 
 from dtr.eager.cost import estimate_seconds
-from dtr.eager.native import FIRST as _FIRST
+from dtr.eager.native import FIRST as _FIRST, NO_KWARGS as _NO_KWARGS
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor, make_wrapper
@@ -67,6 +68,45 @@ class Views:
         call.fresh = _FIRST
         (cell,) = rt.complete(call, (), ((0, out, c),))
         return make_wrapper(out, rt, cell)
+
+    def _run_views(self, facts, func, base: DTRTensor, args):
+        """A view op of ``facts.list_view`` (``split``, ``chunk``, ``unbind``, and the
+        ``unsafe_split`` of every ``LSTMCell`` and ``GRUCell`` step) called without keyword
+        arguments, in one pass as ``_run_view``: one ``Call`` whose outputs are views of the
+        base's cell, and a list of wrappers. An empty list (``unbind`` of an empty dimension)
+        gets the general registration (``Driver._register``)."""
+        rt = self.rt
+        ref = base._dtr
+        c = ref.cell
+        if c.storage.forward is not None:
+            c = ref.cell = rt.resolve(c)
+        if c.value is None:
+            return self._run(facts, func, args, {})
+        i = facts.view_of
+        targs = list(args)
+        targs[i] = None
+        vals = list(args)
+        vals[i] = c.value
+        inputs = [c]
+        rt.acquire(inputs)  # defined: it only locks, and waits for a prefetch
+        try:
+            grad = torch.is_grad_enabled()
+            t0 = perf_counter()
+            out = facts.kernel(*vals)
+            seconds = perf_counter() - t0
+            if out and self.estimate:
+                seconds = estimate_seconds(func, vals, {}, out)
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        if not out:
+            return self._register(facts, func, out, seconds, inputs, targs, None, [(i, -1, 0)], [], grad, None,
+                                  vals, _NO_KWARGS, args, _NO_KWARGS, [], True)
+        self.op_seconds += seconds
+        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
+        call.fresh = tuple(range(len(out)))
+        cells = rt.complete(call, (), [(0, v, c) for v in out])
+        return [make_wrapper(v, rt, cell) for v, cell in zip(out, cells)]
 
     def _alias(self, base: DTRTensor) -> DTRTensor:
         ref = base._dtr
