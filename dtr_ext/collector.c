@@ -15,16 +15,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 static PyObject *untrack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *o = args[i];
-        /* Never a weakref: when a weakref's referent dies in a garbage cycle, the collector
-         * moves the weakref onto its list of callbacks to call, which needs it tracked (an
-         * untracked one crashed the process). */
-        if (PyWeakref_Check(o)) {
-            PyErr_SetString(PyExc_TypeError, "dtr_ext._collector.untrack: weakrefs must stay tracked");
+        /* Never a weakref with a callback: when its referent dies in a garbage cycle, the
+         * collector moves it onto its list of callbacks to call, which needs it tracked (an
+         * untracked one crashed the process). One without a callback refers to nothing the
+         * collector follows, and the collector only clears it. */
+        if (PyWeakref_Check(o) && ((PyWeakReference *)o)->wr_callback != NULL) {
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._collector.untrack: weakrefs with a callback must stay tracked");
             return NULL;
         }
         if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
@@ -43,7 +44,7 @@ static PyObject *track(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static PyMethodDef methods[] = {
     {"untrack", (PyCFunction)(void (*)(void))untrack, METH_FASTCALL,
      "untrack(*objs): the cyclic collector stops visiting these objects (no-op for the others; "
-     "TypeError for a weakref, which must stay tracked)."},
+     "TypeError for a weakref with a callback, which must stay tracked)."},
     {"track", (PyCFunction)(void (*)(void))track, METH_FASTCALL,
      "track(*objs): the cyclic collector visits these objects again (no-op for the others)."},
     {NULL, NULL, 0, NULL},

@@ -871,8 +871,18 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_
         Py_DECREF(c);
         return NULL;
     }
-    if (untrack != Py_None && untrack_gc) gc_untrack(c);
+    int untracked = untrack != Py_None && untrack_gc;
     Py_DECREF(untrack);
+    if (untracked) {
+        PyObject *weak = PyWeakref_NewRef(c, NULL); /* add_view's, which the record shares */
+        if (weak == NULL) {
+            Py_DECREF(c);
+            return NULL;
+        }
+        gc_untrack(c);
+        gc_untrack(weak);
+        Py_DECREF(weak);
+    }
     return c;
 }
 

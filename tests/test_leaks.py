@@ -253,13 +253,16 @@ def test_a_wrapper_dying_in_a_garbage_cycle_is_collected(pure):
     assert done.stdout.strip().endswith("collected")
 
 
-def test_untrack_refuses_weakrefs():
+def test_untrack_refuses_weakrefs_with_a_callback():
     class A:
         pass
 
     a = A()
-    with pytest.raises(TypeError, match="weakrefs must stay tracked"):
+    with pytest.raises(TypeError, match="weakrefs with a callback must stay tracked"):
         collector.untrack(weakref.ref(a, lambda r: None))
+    plain = weakref.ref(a)  # refers to nothing the collector follows: it may leave
+    collector.untrack(plain)
+    assert gc.is_tracked(plain) is not collector.NATIVE
 
 
 # Each untracked record is in cycles only through the ``parent`` link of a storage it made

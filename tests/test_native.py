@@ -166,7 +166,7 @@ def _graph(rt: Runtime):
         (
             s.sid, s.nbytes, s.state, s.locks, s.refs, s.uses, s.last_access, s.cost, s.index,
             s.value is not None, len(s.views), [t.sid for t in s.dependents],
-            [(_cell(v), _record(v.parent)) for v in (w() for w in s.views) if v is not None],
+            [(_cell(v), _record(v.parent), gc.is_tracked(w)) for w in s.views for v in (w(),) if v is not None],
             s.forward and s.forward.sid, s.slot, s.protected, s.backward, gc.is_tracked(s),
             gc.is_tracked(s.dependents), _record(s.parent), _set_of(s),
         )

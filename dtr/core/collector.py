@@ -2,9 +2,9 @@
 Python's cyclic collector (Note [Untracked records]).
 
 ``untrack(*objs)`` stops the collector from visiting ``objs``; ``track(*objs)`` makes it visit
-them again. ``untrack`` refuses a weakref (``TypeError``): when a weakref's referent dies in a
-garbage cycle, the collector handles the weakref's callback only if it is tracked (an
-untracked one crashes the process). Without the native module (no C compiler at install, or
+them again. ``untrack`` refuses a weakref with a callback (``TypeError``): when its referent
+dies in a garbage cycle, the collector handles the callback only if the weakref is tracked
+(an untracked one crashes the process). Without the native module (no C compiler at install, or
 ``DTR_PUREPYTHON=1`` at import) both do nothing else: the engine behaves the same, and the
 collector does more work per op. ``NATIVE`` tells which is in use.
 
@@ -36,9 +36,13 @@ on newer versions of its storage (untracked as they are made, as views are): a f
 ``close`` keeps the runtime's tables, and a cycle through the runtime and one of them would
 keep it alive for good. Views are most of what the collector still saw in loops whose cells
 split their gates into views and write them in place (the LSTMCell loop's ``gc ms`` in
-``bench_runtime.py --sections models``, README). Wrappers and their ``Ref``s stay tracked: a ``Ref`` is a weakref with a callback, and when its wrapper
-dies in a garbage cycle the collector moves the ref onto its list of callbacks to call, which
-it can only do for a tracked object; hence ``untrack`` refusing weakrefs.
+``bench_runtime.py --sections models``, README), and so are the weak references that a
+record's outputs and a storage's list hold them by, untracked with their cells: a weakref
+without a callback refers to nothing the collector follows, and the collector only clears it
+when its referent dies. Wrappers and their ``Ref``s stay tracked: a ``Ref`` is a weakref with
+a callback, and when its wrapper dies in a garbage cycle the collector moves the ref onto its
+list of callbacks to call, which it can only do for a tracked object; hence ``untrack``
+refusing weakrefs with a callback.
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ __all__ = ["NATIVE", "give_back", "track", "untrack"]
 
 def _untrack_nothing(*objs: Any) -> None:
     for o in objs:
-        if isinstance(o, weakref.ReferenceType):
-            raise TypeError("dtr_ext._collector.untrack: weakrefs must stay tracked")
+        if isinstance(o, weakref.ReferenceType) and o.__callback__ is not None:
+            raise TypeError("dtr_ext._collector.untrack: weakrefs with a callback must stay tracked")
 
 
 def _ignore(*objs: Any) -> None:
@@ -67,7 +71,7 @@ def _load():
         from dtr_ext import _collector
     except ImportError:
         return None
-    return _collector if getattr(_collector, "ABI_VERSION", None) == 1 else None
+    return _collector if getattr(_collector, "ABI_VERSION", None) == 2 else None
 
 
 _EXT = _load()

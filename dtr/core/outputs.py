@@ -7,6 +7,7 @@ Functions of the runtime, like rematerialize.py's: the state they change is the 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, List, Sequence
 
 from dtr.core.storage import RELEASED, Cell, OpRecord, Storage
@@ -86,5 +87,5 @@ def new_view(s: Storage, rec: OpRecord, index: int, value: Any) -> Cell:
     s.add_view(c)
     untrack = s.runtime._untrack
     if untrack is not None:
-        untrack(c)  # Note [Untracked records]
+        untrack(c, weakref.ref(c))  # Note [Untracked records]; the weak reference its record and s hold
     return c

@@ -276,7 +276,7 @@ def translate(cell: Union[Storage, Cell]) -> None:
         rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
         untrack = s2.runtime._untrack
         if untrack is not None:
-            untrack(c2, rec2, rec2.inputs, rec2.outputs)  # as new_view's: Note [Untracked records]
+            untrack(c2, rec2, rec2.inputs, rec2.outputs, rec2.outputs[c.index])  # as new_view's: Note [Untracked records]
         c.forward = c2
         base = c2
 
