@@ -52,7 +52,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 }
 #endif
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
@@ -187,7 +187,7 @@ static int set_attr_ll(PyObject *o, PyObject *name, long long n) {
     return r;
 }
 
-/* Python's ``untrack`` of dtr/core/collector.py, for objects that are never weakrefs. */
+/* Python's ``untrack`` of dtr/core/collector.py, for objects that are never weakrefs with a callback. */
 static inline void gc_untrack(PyObject *o) {
     if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
 }
@@ -846,7 +846,7 @@ fail:
     return -1;
 }
 
-/* outputs.new_view(base's storage, rec, 0, value): a new reference. */
+/* outputs.new_view(base's storage, rec, index, value): a new reference. */
 static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_t index, PyObject *value) {
     PyObject *c = T_Cell->tp_alloc(T_Cell, 0);
     if (c == NULL) return NULL;

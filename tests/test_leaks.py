@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dtr
+from dtr.eager import native
 from dtr.eager.driver import Driver
 from dtr.scope import Engine
 from dtr.core import Runtime, State, collector
@@ -264,6 +265,34 @@ def test_untrack_refuses_weakrefs_with_a_callback():
     collector.untrack(plain)
     assert gc.is_tracked(plain) is not collector.NATIVE
 
+
+
+@pytest.mark.skipif(not collector.NATIVE, reason="dtr_ext is not built")
+@pytest.mark.parametrize("python", [False, True])
+def test_the_weak_references_views_are_held_by_are_untracked(python, monkeypatch):
+    """A record's outputs and a storage's list hold view cells by weak references that are out
+    of the collector (Note [Untracked records]), on both paths (native.py), those of the views
+    an in-place write carries to the new version (``translate``) too."""
+    if python:
+        monkeypatch.setattr(native, "run_simple", None)  # engines made now take the Python path
+    x = torch.randn(8, 12)
+    with dtr.budget(None) as engine:
+        assert (engine._driver.native is None) is python
+        gates = x * 2
+        i, f, g = gates.unsafe_chunk(3, 1)
+        i.sigmoid_()  # f and g are carried to the new version of the gates' storage
+        kept = (x * 3).split(4, 1) + ((x * 4).t(),)
+        held = []
+        for s in engine.runtime.storages():
+            held += s.views
+            for c in (w() for w in s.views):
+                if c is not None:
+                    held += [o for o in c.parent.outputs if type(o) is weakref.ref]
+        newest = engine.runtime.resolve(gates._dtr.cell).storage
+        carried = [c for c in (w() for w in newest.views) if c is not None]
+        assert len(carried) >= 2 and len(held) >= 9, (carried, held)
+        assert not [w for w in held if gc.is_tracked(w)]
+        del i, f, g, gates, kept
 
 # Each untracked record is in cycles only through the ``parent`` link of a storage it made
 # (Note [Untracked records]), so a record left in a cycle keeps a storage alive: checking that

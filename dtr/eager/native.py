@@ -77,7 +77,7 @@ def _load():
         from dtr_ext import _hotpath
     except ImportError as e:
         return None, f"dtr_ext._hotpath is not built ({e})"
-    if getattr(_hotpath, "ABI_VERSION", None) != 1:
+    if getattr(_hotpath, "ABI_VERSION", None) != 2:
         return None, "dtr_ext._hotpath is from another version of dtr: reinstall dtr"
     try:
         _hotpath.bind(_config())
