@@ -64,7 +64,7 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
     *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation,
-    *O_carry_views, *O_let_go;
+    *O_carry_views;
 static PyObject *EMPTY; /* () */
 static int untrack_gc; /* the collector module is native: untrack as it does */
 static int bound;
@@ -120,7 +120,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
-    *A__views_alias_data, *A_closed, *A_append;
+    *A__views_alias_data;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -2163,57 +2163,6 @@ static PyObject *dispatcher(PyObject *module, PyObject *driver) {
     return PyCFunction_NewEx(&dispatch_def, driver, NULL);
 }
 
-/* Runtime._on_wrapper_death(ref), bound to a runtime by ``wrapper_died``: the callback of every
- * wrapper's ``Ref``. It may run on any thread, inside any code (a collection): it only queues the
- * death, except for the last wrapper a failed block left (``rematerialize.let_go``). */
-static PyObject *wrapper_death(PyObject *rt, PyObject *ref) {
-    PyObject *refs = PyObject_GetAttr(rt, A__refs);
-    if (refs == NULL) return NULL;
-    PyObject *key = PyLong_FromVoidPtr(ref);
-    int had = key ? PyDict_Contains(refs, key) : -1;
-    if (had > 0) had = PyDict_DelItem(refs, key) < 0 ? -1 : 1;
-    Py_XDECREF(key);
-    PyObject *result = NULL;
-    if (had <= 0) {
-        result = had < 0 ? NULL : Py_NewRef(Py_None);
-        goto done;
-    }
-    PyObject *closed = PyObject_GetAttr(rt, A_closed);
-    int is_closed = closed ? PyObject_IsTrue(closed) : -1;
-    Py_XDECREF(closed);
-    if (is_closed < 0) goto done;
-    if (!is_closed) {
-        PyObject *cell = Py_TYPE(ref) == T_Ref ? SLOT(ref, R_cell) : NULL;
-        if (cell == NULL) {
-            PyErr_SetString(PyExc_AttributeError, "wrapper_death: a Ref without its cell");
-            goto done;
-        }
-        PyObject *dead = PyObject_GetAttr(rt, A__dead);
-        result = dead ? PyObject_CallMethodOneArg(dead, A_append, cell) : NULL;
-        Py_XDECREF(dead);
-    } else if (PyDict_GET_SIZE(refs) == 0) {
-        result = PyObject_CallOneArg(O_let_go, rt);
-    } else {
-        result = Py_NewRef(Py_None);
-    }
-    if (result != NULL) Py_SETREF(result, Py_NewRef(Py_None));
-done:
-    Py_DECREF(refs);
-    return result;
-}
-
-static PyMethodDef wrapper_death_def = {
-    "wrapper_death", (PyCFunction)wrapper_death, METH_O,
-    "wrapper_death(ref): Runtime._on_wrapper_death, natively."};
-
-static PyObject *wrapper_died(PyObject *module, PyObject *rt) {
-    if (!bound) {
-        PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() was not called");
-        return NULL;
-    }
-    return PyCFunction_NewEx(&wrapper_death_def, rt, NULL);
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* bind */
 
@@ -2330,7 +2279,6 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(graph_task_id);
     GET(accumulation);
     GET(carry_views);
-    GET(let_go);
     GET(FALLBACK);
     GET(Facts);
     PyObject *u = PyDict_GetItemString(config, "untrack_gc");
@@ -2387,9 +2335,6 @@ static PyMethodDef methods[] = {
     {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
-    {"wrapper_died", (PyCFunction)wrapper_died, METH_O,
-     "wrapper_died(runtime): Runtime._on_wrapper_death bound to ``runtime``, native: the callback "
-     "of the Refs it makes."},
     {"dispatcher", (PyCFunction)dispatcher, METH_O,
      "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble, simple ops, "
      "ops of several new tensors and in-place ops native; other ops go to the driver's _route."},
@@ -2428,7 +2373,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
-    INTERN(_views_alias_data); INTERN(closed); INTERN(append);
+    INTERN(_views_alias_data);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

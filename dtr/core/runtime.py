@@ -167,8 +167,7 @@ class Runtime:
         # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
         self._yielding: "weakref.WeakSet[Storage]" = weakref.WeakSet()
         self._untrack = collector.untrack if untracked else None
-        # One bound method for every Ref's callback, not a new one (a kept object) per wrapper;
-        # a driver on the native path replaces it by its native twin (dtr/eager/native.py).
+        # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
         # Observers (dtr/core/events.py): ``events`` hears of evictions, replays and failures,
         # which are not per op (every ``dtr.budget`` block sets it, for ``explain``);

@@ -139,8 +139,6 @@ class Driver(Views, Gradients, HostCopies):
         (a subclass), not with a host tier or constants counted."""
         if type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None:
             self.native = native.run_simple
-            if self.native is not None:
-                self.rt._wrapper_died = native.wrapper_died(self.rt)  # for the Refs made from now on
             if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
                 self.dispatch = native.dispatcher(self)
 

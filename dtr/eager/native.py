@@ -28,7 +28,6 @@ import torch
 from dtr.core import collector
 from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
-from dtr.core.rematerialize import let_go
 from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
 from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage, carry_views
@@ -38,7 +37,7 @@ from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor
 
-__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "dispatcher", "registered", "run_simple", "wrapper_died"]
+__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "dispatcher", "registered", "run_simple"]
 
 FALLBACK = object()
 """What ``run_simple`` returns when the Python path must run the op."""
@@ -66,7 +65,7 @@ def _config() -> dict:
         "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor,
         "ADD_FACTS": facts_for(torch.ops.aten.add_.Tensor), "EXTERNAL": EXTERNAL,
         "graph_task_id": torch._C._current_graph_task_id, "accumulation": accumulation,
-        "carry_views": carry_views, "let_go": let_go,
+        "carry_views": carry_views,
     }
 
 
@@ -92,5 +91,3 @@ run_simple: Optional[Callable[..., Any]] = _EXT.run_simple if _EXT is not None e
 registered: Callable[[], int] = _EXT.registered if _EXT is not None else (lambda: 0)
 """How many ops the native path has registered itself (not handed back) in this process."""
 dispatcher: Optional[Callable[[Any], Callable[..., Any]]] = _EXT.dispatcher if _EXT is not None else None
-wrapper_died: Optional[Callable[[Any], Callable[..., Any]]] = _EXT.wrapper_died if _EXT is not None else None
-"""``wrapper_died(runtime)``: ``runtime._on_wrapper_death``, native (the callback of its ``Ref``s)."""
