@@ -5,7 +5,7 @@
  * follows the autograd node, and runs itself an op of ``facts.simple`` (one new tensor, no
  * writes) or ``facts.several`` (several new tensors, no writes) whose keyword arguments hold no
  * tensors, one of ``facts.in_place`` (it writes its first argument and returns it) called
- * without keyword arguments, view ops returning one view or a list of views (``views_op``)
+ * without keyword arguments, view ops returning one view or a list of views (``view_op``)
  * and autograd's gradient sums into a running sum already permanent
  * (``sum_op``: Note [Accumulation in place]); every other op goes to ``Driver._route`` (other
  * sums to ``Gradients._sum`` or ``_sum_as``), in Python.
@@ -1588,73 +1588,17 @@ done:
     return result;
 }
 
-/* Views._run_view: a one-view op of this engine's ``base`` (argument ``i``), without keyword
- * arguments; FALLBACK where the base must be recomputed. */
+/* Views._run_view: a view op of ``facts.one_view`` or ``facts.list_view`` of this engine's
+ * ``base`` (argument ``i``), without keyword arguments: a wrapper, a list of them, an empty list
+ * as ``Driver._register`` registers it (a new reference), or FALLBACK where the base must be
+ * recomputed. */
 static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
                          PyObject *base, PyObject *args, Py_ssize_t i) {
     PyObject *c = resolved(rt, SLOT(base, W_dtr));
     if (c == NULL) return NULL;
     PyObject *s = storage_of(c);
     if (value_of(c) == Py_None) return Py_NewRef(O_FALLBACK); /* to recompute */
-    PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *seconds = NULL,
-             *result = NULL;
-    int locked = 0;
-    targs = PySequence_List(args);
-    vals = PySequence_List(args);
-    inputs = PyList_New(1);
-    if (!targs || !vals || !inputs) goto error;
-    Py_INCREF(c);
-    PyList_SET_ITEM(inputs, 0, c);
-    Py_INCREF(Py_None);
-    PyList_SetItem(targs, i, Py_None);
-    Py_INCREF(value_of(c));
-    PyList_SetItem(vals, i, value_of(c));
-    if (add_slot(s, S_off[S_locks], 1) < 0) goto error;
-    locked = 1;
-    double t0, t1;
-    grad = PyObject_CallNoArgs(O_is_grad_enabled);
-    if (grad == NULL || seconds_now(&t0) < 0) goto error;
-    out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
-    if (out == NULL || seconds_now(&t1) < 0) goto error;
-    seconds = PyFloat_FromDouble(t1 - t0);
-    if (seconds == NULL) goto error;
-    if (estimated(driver, func, vals, O_no_kwargs, out, 0, &seconds) < 0) goto error;
-    locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
-    if (add_seconds(driver, seconds) < 0) goto error;
-    PyObject *targs_t = PyList_AsTuple(targs);
-    PyObject *slots = targs_t ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : NULL;
-    PyObject *call = slots ? new_call(SLOT(facts, F_name), inputs, seconds, func, targs_t, Py_None, slots, grad, O_first) : NULL;
-    Py_XDECREF(targs_t);
-    Py_XDECREF(slots);
-    if (call == NULL) goto error;
-    PyObject *cells = complete(rt, call, 1, NULL, &out, c, NULL);
-    Py_DECREF(call);
-    if (cells == NULL) goto error;
-    result = make_wrapper(out, rt, PyTuple_GET_ITEM(cells, 0));
-    Py_DECREF(cells);
-    if (result != NULL) registered++;
-    goto done;
-error:
-    if (locked) unlock_after_error(rt, inputs);
-done:
-    Py_XDECREF(targs);
-    Py_XDECREF(vals);
-    Py_XDECREF(inputs);
-    Py_XDECREF(grad);
-    Py_XDECREF(out);
-    Py_XDECREF(seconds);
-    return result;
-}
-
-/* Views._run_views: a view op of ``facts.list_view`` (``split``, ``unbind``, ``unsafe_split``) of
- * this engine's ``base`` (argument ``i``), without keyword arguments: a list of wrappers (a new
- * reference), an empty list as ``Driver._register`` registers it, or FALLBACK (base evicted). */
-static PyObject *views_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func,
-                          PyObject *base, PyObject *args, Py_ssize_t i) {
-    PyObject *c = resolved(rt, SLOT(base, W_dtr));
-    if (c == NULL) return NULL;
-    PyObject *s = storage_of(c);
-    if (value_of(c) == Py_None) return Py_NewRef(O_FALLBACK); /* to recompute */
+    int many = SLOT(facts, F_list_view) == Py_True;
     PyObject *targs = NULL, *vals = NULL, *inputs = NULL, *grad = NULL, *out = NULL, *fast = NULL,
              *seconds = NULL, *slots = NULL, *call = NULL, *cells = NULL, *result = NULL;
     int locked = 0;
@@ -1673,8 +1617,11 @@ static PyObject *views_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObj
     out = PyObject_Vectorcall(SLOT(facts, F_kernel), PySequence_Fast_ITEMS(vals), PyList_GET_SIZE(vals), NULL);
     if (out == NULL || seconds_now(&t1) < 0) goto error;
     if ((seconds = PyFloat_FromDouble(t1 - t0)) == NULL) goto error;
-    if ((fast = PySequence_Fast(out, "a view op of facts.list_view returned no sequence")) == NULL) goto error;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = 1;
+    if (many) {
+        if ((fast = PySequence_Fast(out, "a view op of facts.list_view returned no sequence")) == NULL) goto error;
+        n = PySequence_Fast_GET_SIZE(fast);
+    }
     slots = n ? Py_BuildValue("((nin))", i, -1, (Py_ssize_t)0) : Py_BuildValue("[(nin)]", i, -1, (Py_ssize_t)0);
     if (slots == NULL) goto error;
     if (n == 0) { /* the general registration, which unlocks */
@@ -1692,11 +1639,11 @@ static PyObject *views_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObj
         Py_DECREF(mutated);
         goto done;
     }
-    if (estimated(driver, func, vals, O_no_kwargs, out, 1, &seconds) < 0) goto error;
+    if (estimated(driver, func, vals, O_no_kwargs, out, many, &seconds) < 0) goto error;
     locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
     if (add_seconds(driver, seconds) < 0) goto error;
-    PyObject *fresh = PyTuple_New(n);
-    for (Py_ssize_t j = 0; fresh != NULL && j < n; j++) {
+    PyObject *fresh = many ? PyTuple_New(n) : Py_NewRef(O_first);
+    for (Py_ssize_t j = 0; many && fresh != NULL && j < n; j++) {
         PyObject *p = PyLong_FromSsize_t(j);
         if (p == NULL) Py_CLEAR(fresh);
         else PyTuple_SET_ITEM(fresh, j, p);
@@ -1706,12 +1653,17 @@ static PyObject *views_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObj
     Py_XDECREF(fresh);
     Py_XDECREF(targs_t);
     if (call == NULL) goto error;
-    if ((cells = complete(rt, call, n, NULL, PySequence_Fast_ITEMS(fast), c, NULL)) == NULL) goto done;
-    result = PyList_New(n);
-    for (Py_ssize_t j = 0; result != NULL && j < n; j++) {
-        PyObject *w = make_wrapper(PySequence_Fast_GET_ITEM(fast, j), rt, PyTuple_GET_ITEM(cells, j));
-        if (w == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, j, w);
+    cells = complete(rt, call, n, NULL, many ? PySequence_Fast_ITEMS(fast) : &out, c, NULL);
+    if (cells == NULL) goto done; /* complete unlocked */
+    if (!many) {
+        result = make_wrapper(out, rt, PyTuple_GET_ITEM(cells, 0));
+    } else {
+        result = PyList_New(n);
+        for (Py_ssize_t j = 0; result != NULL && j < n; j++) {
+            PyObject *w = make_wrapper(PySequence_Fast_GET_ITEM(fast, j), rt, PyTuple_GET_ITEM(cells, j));
+            if (w == NULL) Py_CLEAR(result);
+            else PyList_SET_ITEM(result, j, w);
+        }
     }
     if (result != NULL) registered++;
     goto done;
@@ -2055,9 +2007,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
             PyObject *c = ref ? SLOT(ref, R_cell) : NULL;
             PyObject *s = c ? storage_of(c) : NULL;
             if (s != NULL && SLOT(s, S_off[S_runtime]) == rt) {
-                result = kind == O_DETACH                          ? alias(driver, rt, base)
-                         : SLOT(facts, F_one_view) == Py_True ? view_op(driver, rt, facts, func, base, args, i)
-                                                              : views_op(driver, rt, facts, func, base, args, i);
+                result = kind == O_DETACH ? alias(driver, rt, base) : view_op(driver, rt, facts, func, base, args, i);
                 if (result != O_FALLBACK) goto done;
                 Py_CLEAR(result);
             }

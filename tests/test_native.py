@@ -61,6 +61,29 @@ def _python_path():
         native.run_simple = run
 
 
+def _spy(patch, names, log, by_method=False):
+    """Through ``patch`` (a ``MonkeyPatch``), log the names of the ops that reach the Python
+    path's ``Driver`` methods ``names``; with ``by_method``, (method, op name) pairs."""
+    for name in names:
+        method = getattr(Driver, name)
+
+        def run(driver, facts, *args, _name=name, _method=method):
+            log.append((_name, facts.name) if by_method else facts.name)
+            return _method(driver, facts, *args)
+
+        patch.setattr(Driver, name, run)
+
+
+def _assert_alike(native_run, python_run, eager_grads):
+    """Both paths' steps, (graph, evictions after each op, stats, gradients), are equal, and
+    their gradients are eager's."""
+    *native_state, grads = native_run
+    *python_state, py_grads = python_run
+    assert native_state == python_state
+    for mine, theirs, ref in zip(grads, py_grads, eager_grads):
+        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+
+
 @contextlib.contextmanager
 def _evictions(observed: bool):
     """Every eviction of the blocks run inside (for the budget or eager), with the bytes
@@ -232,18 +255,9 @@ def _several_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    spied = {name: getattr(Driver, name) for name in ("_execute", "_register_several")}
-
-    def spy(name):
-        def run(driver, facts, *args):
-            in_python.append(facts.name)
-            return spied[name](driver, facts, *args)
-        return run
-
     with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
             pytest.MonkeyPatch.context() as patch:
-        for name in spied:
-            patch.setattr(Driver, name, spy(name))
+        _spy(patch, ("_execute", "_register_several"), in_python)
         with engine if engine is not None else contextlib.nullcontext():
             h = torch.tanh(x * 1)
             ordered, order = torch.sort(h, 1)
@@ -277,13 +291,9 @@ def test_both_paths_register_ops_with_several_outputs_alike(fraction):
     if fraction is None:  # under a budget an op with an evicted input takes the Python path
         assert not several & set(in_python), in_python
     assert "aten.topk.default" in in_python
-    assert graph == py_graph
-    assert evicted == py_evicted
-    assert stats == py_stats
     if fraction is not None:
         assert stats.evictions > 0
-    for mine, theirs, ref in zip(grads, py_grads, eager):
-        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+    _assert_alike((graph, evicted, stats, grads), (py_graph, py_evicted, py_stats, py_grads), eager)
 
 
 def _in_place_step(limit=None, python=False):
@@ -304,15 +314,9 @@ def _in_place_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    execute = Driver._execute
-
-    def spy(driver, facts, *args):
-        in_python.append(facts.name)
-        return execute(driver, facts, *args)
-
     with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
             pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Driver, "_execute", spy)
+        _spy(patch, ("_execute",), in_python)
         with engine if engine is not None else contextlib.nullcontext():
             moved = c + shift
             shift.add_(1)  # a constant a record read, written: every lineage is cut (Constants)
@@ -359,13 +363,9 @@ def test_both_paths_register_in_place_ops_alike(fraction):
     if fraction is None:  # under a budget an op with an evicted input takes the Python path
         assert [name for name in in_python if name in in_place] == ["aten.add_.Tensor"]  # the constant's
         assert handled >= sum(py_in_python.count(name) for name in in_place) - 1
-    assert graph == py_graph
-    assert evicted == py_evicted
-    assert stats == py_stats
     if fraction is not None:
         assert stats.evictions > 0
-    for mine, theirs, ref in zip(grads, py_grads, eager):
-        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+    _assert_alike((graph, evicted, stats, grads), (py_graph, py_evicted, py_stats, py_grads), eager)
 
 
 def _kwargs_step(limit=None, python=False):
@@ -385,14 +385,7 @@ def _kwargs_step(limit=None, python=False):
     graph = None
     in_python = []
     room = []
-    spied = {name: getattr(Driver, name) for name in ("_execute", "_register_several")}
     make_room = Driver._make_room
-
-    def spy(name):
-        def run(driver, facts, *args):
-            in_python.append(facts.name)
-            return spied[name](driver, facts, *args)
-        return run
 
     def sized(driver, facts, func, vals, kw):
         room.append((facts.name, {k: _tensor(v) for k, v in kw.items()}))
@@ -400,8 +393,7 @@ def _kwargs_step(limit=None, python=False):
 
     with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
             pytest.MonkeyPatch.context() as patch:
-        for name in spied:
-            patch.setattr(Driver, name, spy(name))
+        _spy(patch, ("_execute", "_register_several"), in_python)
         patch.setattr(Driver, "_make_room", sized)
         with engine if engine is not None else contextlib.nullcontext():
             h = torch.tanh(x @ w)
@@ -443,11 +435,7 @@ def test_both_paths_register_ops_with_keyword_arguments_alike(fraction):
         assert stats.evictions > 0
         assert any(kw for _, kw in room), room
     assert room == py_room
-    assert graph == py_graph
-    assert evicted == py_evicted
-    assert stats == py_stats
-    for mine, theirs, ref in zip(grads, py_grads, eager):
-        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+    _assert_alike((graph, evicted, stats, grads), (py_graph, py_evicted, py_stats, py_grads), eager)
 
 
 def _list_views_step(limit=None, python=False):
@@ -457,7 +445,7 @@ def _list_views_step(limit=None, python=False):
     an empty dimension (an empty list: the general registration), and ``split`` of a constant
     (plain views). Returns the gradients, the graph after the
     backward, the evictions after each op, the stats, and the names of the ops that reached the
-    Python path's ``_run_views``, ``_execute`` or ``_register``; with ``limit=False``,
+    Python path's ``_run_view``, ``_execute`` or ``_register``; with ``limit=False``,
     eager's."""
     torch.manual_seed(0)
     x = torch.randn(12, 16, requires_grad=True)
@@ -466,18 +454,9 @@ def _list_views_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    spied = {name: getattr(Driver, name) for name in ("_run_views", "_execute", "_register")}
-
-    def spy(name):
-        def run(driver, facts, *args):
-            in_python.append((name, facts.name))
-            return spied[name](driver, facts, *args)
-        return run
-
     with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
             pytest.MonkeyPatch.context() as patch:
-        for name in spied:
-            patch.setattr(Driver, name, spy(name))
+        _spy(patch, ("_run_view", "_execute", "_register"), in_python, by_method=True)
         with engine if engine is not None else contextlib.nullcontext():
             gates = x @ w
             i, f, g = gates.unsafe_chunk(3, 1)
@@ -503,7 +482,7 @@ def _list_views_step(limit=None, python=False):
 def test_both_paths_register_list_views_alike(fraction):
     """View ops returning a list of views of their only tensor argument run natively
     (``views_op`` in hotpath.c), and build the graph the Python path's one-pass
-    ``Views._run_views`` builds: records, evictions after each op and stats equal, gradients
+    ``Views._run_view`` builds: records, evictions after each op and stats equal, gradients
     eager's. An empty list goes to ``Driver._register`` on both paths."""
     eager = _list_views_step(False)[0]
     unlimited = _list_views_step(None)[3]
@@ -511,19 +490,15 @@ def test_both_paths_register_list_views_alike(fraction):
     grads, graph, evicted, stats, in_python = _list_views_step(limit)
     py_grads, py_graph, py_evicted, py_stats, py_in_python = _list_views_step(limit, python=True)
     lists = {"aten.unsafe_split.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int"}
-    assert lists <= {name for path, name in py_in_python if path == "_run_views"}
+    assert lists <= {name for path, name in py_in_python if path == "_run_view"}
     assert ("_register", "aten.unbind.int") in in_python and ("_register", "aten.unbind.int") in py_in_python
-    assert ("_run_views", "aten.split_with_sizes.default") in in_python  # its base evicted
+    assert ("_run_view", "aten.split_with_sizes.default") in in_python  # its base evicted
     if fraction is None:  # under a budget an op with an evicted base takes the Python path
-        handed = [name for path, name in in_python if path == "_run_views"]
+        handed = [name for path, name in in_python if path == "_run_view" and name in lists]
         assert handed == ["aten.split_with_sizes.default"], in_python
     else:
         assert stats.evictions > 0
-    assert graph == py_graph
-    assert evicted == py_evicted
-    assert stats == py_stats
-    for mine, theirs, ref in zip(grads, py_grads, eager):
-        assert torch.equal(mine, theirs) and torch.equal(mine, ref)
+    _assert_alike((graph, evicted, stats, grads), (py_graph, py_evicted, py_stats, py_grads), eager)
 
 
 def _sums_step(limit=None, python=False):

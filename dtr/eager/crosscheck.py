@@ -7,8 +7,7 @@ new tensors (``facts.several``, natively registered: hotpath.c's ``several_outpu
 ops (``facts.in_place``, hotpath.c's ``in_place_op``: compared through the record of the
 written storage's new version, from what the general path would have scanned before the op,
 where the native path registered it rather than falling back to the general one),
-one-view ops (``Driver._run_view``), ops returning a list of views (``Driver._run_views``),
-gradient sums in place (``Gradients._sum``) and sums into
+one-view ops and ops returning a list of views (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into
 a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
 record what the general path would: a drift shows only as a wrong replay, later, or never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
 a ``CrosscheckedDriver``: after each op a one-pass path handled, it scans the op's arguments
@@ -128,14 +127,8 @@ class CrosscheckedDriver(Driver):
         executed = self._executed
         result = super()._run_view(facts, func, base, args)
         if self._executed == executed:  # not handed to the general path (an evicted base)
-            self._compare("one-view op", facts, func, args, {}, result, facts.view_of)
-        return result
-
-    def _run_views(self, facts, func, base: DTRTensor, args):
-        executed = self._executed
-        result = super()._run_views(facts, func, base, args)
-        if self._executed == executed:  # not handed to the general path (an evicted base)
-            self._compare("list-view op", facts, func, args, {}, result, facts.view_of)
+            path = "list-view op" if facts.list_view else "one-view op"
+            self._compare(path, facts, func, args, {}, result, facts.view_of)
         return result
 
     def _sum(self, facts, args) -> Any:

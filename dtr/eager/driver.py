@@ -209,10 +209,8 @@ class Driver(Views, Gradients, HostCopies):
                 return self._alias(base)
             if kind is Kind.INPLACE_VIEW:
                 return self._inplace_view(facts, func, base, args, kwargs)
-            if facts.one_view and not kwargs:
+            if (facts.one_view or facts.list_view) and not kwargs:
                 return self._run_view(facts, func, base, args)
-            if facts.list_view and not kwargs:
-                return self._run_views(facts, func, base, args)
         elif kind is Kind.UNSUPPORTED:
             self._unsupported(facts, args, kwargs)
             return self.passthrough(func, args, kwargs)

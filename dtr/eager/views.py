@@ -33,12 +33,15 @@ class Views:
     """The driver's view ops (module docstring)."""
 
     def _run_view(self, facts, func, base: DTRTensor, args):
-        """A view op of ``facts.one_view`` called without keyword arguments, in one pass: its
-        base is its only tensor, so it needs no scan, and its one output no sort
-        (``Driver._run`` takes it where the base is evicted). Views are a quarter of a model's
-        ops (``t`` and ``view`` in every linear layer's backward), and the general path made
-        them dearer than compute ops (measured: ``y.t()`` cost 22 us more than eager, ``tanh``
-        13.5)."""
+        """A view op of ``facts.one_view``, or of ``facts.list_view`` (``split``, ``chunk``,
+        ``unbind``, the ``unsafe_split`` of every ``LSTMCell`` and ``GRUCell`` step), called
+        without keyword arguments, in one pass: its base is its only tensor, so it needs no
+        scan, and its outputs no sort (``Driver._run`` takes it where the base is evicted). One
+        ``Call`` whose outputs are views of the base's cell, and a wrapper, or a list of them;
+        an empty list (``unbind`` of an empty dimension) gets the general registration
+        (``Driver._register``). Views are a quarter of a model's ops (``t`` and ``view`` in
+        every linear layer's backward), and the general path made them dearer than compute
+        ops (measured: ``y.t()`` cost 22 us more than eager, ``tanh`` 13.5)."""
         rt = self.rt
         ref = base._dtr
         c = ref.cell
@@ -47,6 +50,7 @@ class Views:
         if c.value is None:
             return self._run(facts, func, args, {})
         i = facts.view_of
+        many = facts.list_view
         targs = list(args)
         targs[i] = None
         vals = list(args)
@@ -58,52 +62,21 @@ class Views:
             t0 = perf_counter()
             out = facts.kernel(*vals)
             seconds = perf_counter() - t0
-            if self.estimate:
-                seconds = estimate_seconds(func, vals, {}, (out,))
+            empty = many and not out
+            if self.estimate and not empty:
+                seconds = estimate_seconds(func, vals, {}, out if many else (out,))
         except BaseException:
             rt.unlock(inputs)
             raise
-        self.op_seconds += seconds
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
-        call.fresh = _FIRST
-        (cell,) = rt.complete(call, (), ((0, out, c),))
-        return make_wrapper(out, rt, cell)
-
-    def _run_views(self, facts, func, base: DTRTensor, args):
-        """A view op of ``facts.list_view`` (``split``, ``chunk``, ``unbind``, and the
-        ``unsafe_split`` of every ``LSTMCell`` and ``GRUCell`` step) called without keyword
-        arguments, in one pass as ``_run_view``: one ``Call`` whose outputs are views of the
-        base's cell, and a list of wrappers. An empty list (``unbind`` of an empty dimension)
-        gets the general registration (``Driver._register``)."""
-        rt = self.rt
-        ref = base._dtr
-        c = ref.cell
-        if c.storage.forward is not None:
-            c = ref.cell = rt.resolve(c)
-        if c.value is None:
-            return self._run(facts, func, args, {})
-        i = facts.view_of
-        targs = list(args)
-        targs[i] = None
-        vals = list(args)
-        vals[i] = c.value
-        inputs = [c]
-        rt.acquire(inputs)  # defined: it only locks, and waits for a prefetch
-        try:
-            grad = torch.is_grad_enabled()
-            t0 = perf_counter()
-            out = facts.kernel(*vals)
-            seconds = perf_counter() - t0
-            if out and self.estimate:
-                seconds = estimate_seconds(func, vals, {}, out)
-        except BaseException:
-            rt.unlock(inputs)
-            raise
-        if not out:
+        if empty:
             return self._register(facts, func, out, seconds, inputs, targs, None, [(i, -1, 0)], [], grad, None,
                                   vals, _NO_KWARGS, args, _NO_KWARGS, [], True)
         self.op_seconds += seconds
         call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
+        if not many:
+            call.fresh = _FIRST
+            (cell,) = rt.complete(call, (), ((0, out, c),))
+            return make_wrapper(out, rt, cell)
         call.fresh = tuple(range(len(out)))
         cells = rt.complete(call, (), [(0, v, c) for v in out])
         return [make_wrapper(v, rt, cell) for v, cell in zip(out, cells)]
