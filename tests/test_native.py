@@ -481,7 +481,7 @@ def _list_views_step(limit=None, python=False):
 @needs_native
 def test_both_paths_register_list_views_alike(fraction):
     """View ops returning a list of views of their only tensor argument run natively
-    (``views_op`` in hotpath.c), and build the graph the Python path's one-pass
+    (``view_op`` in hotpath.c), and build the graph the Python path's one-pass
     ``Views._run_view`` builds: records, evictions after each op and stats equal, gradients
     eager's. An empty list goes to ``Driver._register`` on both paths."""
     eager = _list_views_step(False)[0]

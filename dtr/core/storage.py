@@ -276,7 +276,8 @@ def translate(cell: Union[Storage, Cell]) -> None:
         rec2.outputs[c.index] = _weak(c2)  # Note [Views held weakly]
         untrack = s2.runtime._untrack
         if untrack is not None:
-            untrack(c2, rec2, rec2.inputs, rec2.outputs, rec2.outputs[c.index])  # as new_view's: Note [Untracked records]
+            # As new_view's, the weak reference to the cell included: Note [Untracked records]
+            untrack(c2, rec2, rec2.inputs, rec2.outputs, rec2.outputs[c.index])
         c.forward = c2
         base = c2
 

@@ -7,8 +7,8 @@ new tensors (``facts.several``, natively registered: hotpath.c's ``several_outpu
 ops (``facts.in_place``, hotpath.c's ``in_place_op``: compared through the record of the
 written storage's new version, from what the general path would have scanned before the op,
 where the native path registered it rather than falling back to the general one),
-one-view ops and ops returning a list of views (``Driver._run_view``), gradient sums in place (``Gradients._sum``) and sums into
-a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
+one-view ops and ops returning a list of views (``Driver._run_view``), gradient sums in place
+(``Gradients._sum``) and sums into a permanent running sum (``Gradients._add_to_permanent``). Nothing else checks that they
 record what the general path would: a drift shows only as a wrong replay, later, or never. With ``DTR_CROSSCHECK`` set to anything but ``0`` when a block starts, the engine runs
 a ``CrosscheckedDriver``: after each op a one-pass path handled, it scans the op's arguments
 again, sorts the op's results and builds the general path's record (recording.py) into a

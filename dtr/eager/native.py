@@ -3,13 +3,12 @@ native call (hotpath.c's header lists what it runs and what it leaves to Python)
 
 ``run_simple(driver, facts, func, args, kwargs={})`` runs an op of ``facts.simple``,
 ``facts.several`` or ``facts.in_place`` as ``Driver._run`` does, or returns ``FALLBACK`` having
-changed nothing (but
-wrappers resolved to their storage's newest version, which the Python path does first too),
-for the Python path to run it (hotpath.c says when). ``dispatcher(driver)`` is
-``driver.dispatch`` with its preamble native too (the lock, queued wrapper deaths, the autograd
-node); it runs those ops with ``run_simple``'s code, one-view ops, ``detach`` and views of
-constants itself, and hands the others to ``Driver._route``: a ``Driver`` installs it as its
-``dispatch``. The Python code stays the definition of what an op does; the native path mirrors
+changed nothing (but wrappers resolved to their storage's newest version, which the Python
+path does first too), for the Python path to run it (hotpath.c says when).
+``dispatcher(driver)`` is ``driver.dispatch`` with its preamble native too (the lock, queued
+wrapper deaths, the autograd node); it runs those ops with ``run_simple``'s code, view ops
+returning one view or a list of them, ``detach`` and views of constants itself, and hands the
+others to ``Driver._route``: a ``Driver`` installs it as its ``dispatch``. The Python code stays the definition of what an op does; the native path mirrors
 it, and tests/test_native.py checks that both build the same records and make the same
 decisions. Without the native module (no C compiler at install, or ``DTR_PUREPYTHON=1`` at
 import) ``run_simple`` is None and every op takes the Python path; ``NATIVE`` tells which is in
