@@ -1997,8 +1997,8 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
     }
     int no_kwargs = kwargs == NULL || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
     PyObject *kind = SLOT(facts, F_kind);
-    if (kind == O_DETACH || (kind == O_VIEW && no_kwargs && SLOT(facts, F_one_view) == Py_True) ||
-        (kind == O_VIEW && no_kwargs && SLOT(facts, F_list_view) == Py_True)) {
+    if (kind == O_DETACH || (kind == O_VIEW && no_kwargs && (SLOT(facts, F_one_view) == Py_True ||
+                                                             SLOT(facts, F_list_view) == Py_True))) {
         Py_ssize_t i = PyLong_AsSsize_t(SLOT(facts, F_view_of));
         if (i == -1 && PyErr_Occurred()) goto done;
         PyObject *base = i < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, i) : NULL;
