@@ -389,7 +389,10 @@ def test_a_refused_step_frees_its_memory_without_the_collector(name, first):
     finally:
         gc.enable()
     assert refused, "no budget refused the step: the test does not test a refusal"
-    assert left == 0, f"{left} bytes of the refused step wait for the cyclic collector"
+    # Below zero is a cache of the process that an earlier test filled, freed during the try
+    # (144 KiB once for the CNN on an H100, with the README's 8 CUDA workers); what the test
+    # guards against is bytes the refused try leaves for the collector.
+    assert left <= 0, f"{left} bytes of the refused step wait for the cyclic collector"
 
 
 def test_a_failed_close_gives_back_each_translated_view_once(monkeypatch):
