@@ -1639,9 +1639,8 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
         Py_DECREF(mutated);
         goto done;
     }
-    if (estimated(driver, func, vals, O_no_kwargs, out, many, &seconds) < 0) goto error;
-    locked = 0; /* from here on, as in Python: an error leaves the lock to complete */
-    if (add_seconds(driver, seconds) < 0) goto error;
+    if (estimated(driver, func, vals, O_no_kwargs, out, many, &seconds) < 0 || add_seconds(driver, seconds) < 0)
+        goto error;
     PyObject *fresh = many ? PyTuple_New(n) : Py_NewRef(O_first);
     for (Py_ssize_t j = 0; many && fresh != NULL && j < n; j++) {
         PyObject *p = PyLong_FromSsize_t(j);
@@ -1653,8 +1652,9 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     Py_XDECREF(fresh);
     Py_XDECREF(targs_t);
     if (call == NULL) goto error;
+    locked = 0; /* complete unlocks, also when it fails */
     cells = complete(rt, call, n, NULL, many ? PySequence_Fast_ITEMS(fast) : &out, c, NULL);
-    if (cells == NULL) goto done; /* complete unlocked */
+    if (cells == NULL) goto done;
     if (!many) {
         result = make_wrapper(out, rt, PyTuple_GET_ITEM(cells, 0));
     } else {

@@ -680,6 +680,60 @@ def test_an_in_place_op_the_native_path_hands_back_changes_nothing():
         assert torch.equal(dtr.materialize(reader), x * 4 + 1)
 
 
+class _Refused:
+    """Refuses to be added to or tested for truth, as an allocation that fails would."""
+
+    def __add__(self, other):
+        raise MemoryError("refused")
+
+    __radd__ = __iadd__ = __add__
+
+    def __bool__(self):
+        raise MemoryError("refused")
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_a_view_op_that_fails_before_its_registration_unlocks_its_base(python):
+    """A view op (one view, a list of views) that fails after its kernel and before
+    ``complete`` takes over the lock leaves its base unlocked, so that it stays evictable; here
+    the count of the op's seconds fails, as an allocation there would."""
+    x = torch.randn(4, 8)
+    with _python_path() if python else contextlib.nullcontext(), dtr.budget(None, cost="estimate") as engine:
+        y = x * 2
+        driver = engine.runtime.executor
+        s = y._dtr.cell.storage
+        for view in (lambda t: t.view(-1), lambda t: t.split(2)):
+            driver.op_seconds, total = _Refused(), driver.op_seconds
+            try:
+                with pytest.raises(MemoryError, match="refused"):
+                    view(y)
+            finally:
+                driver.op_seconds = total
+            assert s.locks == 0
+        assert torch.equal(dtr.materialize(y.view(-1)), (x * 2).view(-1))
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_an_in_place_op_whose_lineage_test_fails_raises_before_writing(python):
+    """An in-place op on a tensor that records read asks whether a replay can rebuild it (if
+    not, its readers become permanent first); an error there reaches the program before the
+    kernel runs: the tensor keeps its data, and the op's inputs are unlocked."""
+    x = torch.randn(4, 8)
+    with _python_path() if python else contextlib.nullcontext(), dtr.budget(None, cost="estimate"):
+        y = x * 2
+        z = x + 1
+        w = y + 1  # a record reads y
+        rec = y._dtr.cell.storage.parent
+        rec.replayable, replayable = _Refused(), rec.replayable
+        try:
+            with pytest.raises(MemoryError, match="refused"):
+                y.add_(z)
+        finally:
+            rec.replayable = replayable
+        assert y._dtr.cell.storage.locks == 0 and z._dtr.cell.storage.locks == 0
+        assert torch.equal(dtr.materialize(y), x * 2) and torch.equal(dtr.materialize(w), x * 2 + 1)
+
+
 @needs_native
 def test_a_record_class_changed_without_hotpath_c_turns_the_native_path_off():
     from dtr_ext import _hotpath

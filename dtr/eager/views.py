@@ -57,28 +57,29 @@ class Views:
         vals[i] = c.value
         inputs = [c]
         rt.acquire(inputs)  # defined: it only locks, and waits for a prefetch
-        try:
+        try:  # until complete or _register, which unlock whatever happens
             grad = torch.is_grad_enabled()
             t0 = perf_counter()
             out = facts.kernel(*vals)
             seconds = perf_counter() - t0
             empty = many and not out
-            if self.estimate and not empty:
-                seconds = estimate_seconds(func, vals, {}, out if many else (out,))
+            if not empty:
+                if self.estimate:
+                    seconds = estimate_seconds(func, vals, {}, out if many else (out,))
+                self.op_seconds += seconds
+                call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
+                call.fresh = tuple(range(len(out))) if many else _FIRST
+                fresh = [(0, v, c) for v in out] if many else ((0, out, c),)
         except BaseException:
             rt.unlock(inputs)
             raise
         if empty:
             return self._register(facts, func, out, seconds, inputs, targs, None, [(i, -1, 0)], [], grad, None,
                                   vals, _NO_KWARGS, args, _NO_KWARGS, [], True)
-        self.op_seconds += seconds
-        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, ((i, -1, 0),), grad)
         if not many:
-            call.fresh = _FIRST
-            (cell,) = rt.complete(call, (), ((0, out, c),))
+            (cell,) = rt.complete(call, (), fresh)
             return make_wrapper(out, rt, cell)
-        call.fresh = tuple(range(len(out)))
-        cells = rt.complete(call, (), [(0, v, c) for v in out])
+        cells = rt.complete(call, (), fresh)
         return [make_wrapper(v, rt, cell) for v, cell in zip(out, cells)]
 
     def _alias(self, base: DTRTensor) -> DTRTensor:
