@@ -4,9 +4,10 @@ Python's cyclic collector (Note [Untracked records]).
 ``untrack(*objs)`` stops the collector from visiting ``objs``; ``track(*objs)`` makes it visit
 them again. ``untrack`` refuses a weakref with a callback (``TypeError``): when its referent
 dies in a garbage cycle, the collector handles the callback only if the weakref is tracked
-(an untracked one crashes the process). Without the native module (no C compiler at install, or
-``DTR_PUREPYTHON=1`` at import) both do nothing else: the engine behaves the same, and the
-collector does more work per op. ``NATIVE`` tells which is in use.
+(an untracked one crashes the process); the native module refuses a weak proxy with one too,
+whose callback Python code cannot see (the engine makes no proxies). Without the native module
+(no C compiler at install, or ``DTR_PUREPYTHON=1`` at import) both do nothing else: the engine
+behaves the same, and the collector does more work per op. ``NATIVE`` tells which is in use.
 
 Note [Untracked records]
 ~~~~~~~~~~~~~~~~~~~~~~~~
