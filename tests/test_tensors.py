@@ -616,3 +616,30 @@ def test_tensor_subclass_outputs_are_plain_and_follow_writes():
         assert type(g) is TwoTensor
         assert torch.equal(g.a, e.a) and torch.equal(g.b, e.b)
     assert torch.equal(got[3], eager[3])
+
+
+def test_views_made_together_share_one_replay_on_a_new_version():
+    """The views one op made (a split's pieces) keep one record on their storage's new version
+    after an in-place write, as they had one before: once that version is evicted, reading the
+    pieces replays the split once, not once per piece (Note [Translated siblings])."""
+    x = torch.randn(6, 4)
+    with dtr.budget(None, cost="estimate") as engine:
+        rt = engine.runtime
+        y = x * 2
+        pieces = y.split(2)
+        y.add_(1)  # a new version of y's storage; the pieces follow it
+        cells = [rt.resolve(p._dtr.cell) for p in pieces]
+        assert len({id(c.parent) for c in cells}) == 1
+        s = cells[0].storage
+        assert rt.evict([s]) == s.nbytes and all(c.value is None for c in cells)
+        driver = rt.executor
+        replayed = []
+        replay = driver.replay
+        driver.replay = lambda rec: replayed.append(rec.name) or replay(rec)
+        try:
+            got = [dtr.materialize(p) for p in pieces]
+        finally:
+            del driver.replay
+        assert replayed.count("aten.split.Tensor") == 1, replayed
+        for mine, theirs in zip(got, (x * 2 + 1).split(2)):
+            assert torch.equal(mine, theirs)
