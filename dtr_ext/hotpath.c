@@ -691,6 +691,38 @@ static int drain(PyObject *rt) {
     return -1;
 }
 
+/* Note [Letting go with an error pending]
+ * ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ * An error path lets go of what it held (the op's output, the scanned arguments, its record)
+ * with its error set, and the last reference to a tensor runs torch's deallocator, which need
+ * not keep a pending error: on an H100 (torch 2.11, Python 3.12) with
+ * ``torch.cuda.memory._record_memory_history(stacks="python")`` on, freeing a refused op's
+ * output cleared its ``OutOfBudgetError``, and ``dispatch`` returned NULL with no error set
+ * (``SystemError: error return without exception set``). So an error path holds its error
+ * aside while it lets go, as CPython does around finalizers, and puts it back after. */
+typedef struct {
+    PyObject *type, *value, *tb;
+} Held;
+
+/* The pending error, taken aside (nothing where none is set). */
+static inline Held hold_error(void) {
+    Held h = {NULL, NULL, NULL};
+    if (PyErr_Occurred()) PyErr_Fetch(&h.type, &h.value, &h.tb);
+    return h;
+}
+
+/* Put back the held error (one the cleanup raised is dropped). */
+static inline void put_back(Held h) {
+    if (h.type != NULL) PyErr_Restore(h.type, h.value, h.tb);
+}
+
+/* Py_DECREF(o) on an error path (Note [Letting go with an error pending]). */
+static void let_go(PyObject *o) {
+    Held held = hold_error();
+    Py_DECREF(o);
+    put_back(held);
+}
+
 /* Runtime.unlock on an error path, as Python's ``finally``/``except``: an error the unlock
  * raises replaces the pending one. */
 static void unlock_after_error(PyObject *rt, PyObject *inputs) {
@@ -1030,14 +1062,17 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
         Py_DECREF(on_op);
     }
     return s;
-fail:
+fail: {
+    Held held = hold_error(); /* Note [Letting go with an error pending] */
     Py_XDECREF(s);
     Py_XDECREF(outs);
     Py_XDECREF(new);
     Py_XDECREF(now);
     Py_XDECREF(work);
+    put_back(held);
     unlock_after_error(rt, SLOT(rec, K_off[K_inputs])); /* the finally of Runtime.complete */
     return NULL;
+}
 }
 
 /* Call(name, inputs, cost, True, func, args, kwargs, slots, grad) with rng None and ``fresh``. */
@@ -1378,12 +1413,12 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     locked = 0; /* complete unlocks, also when it fails */
     PyObject *cell = complete(rt, call, 1, &nbytes, &out, NULL, NULL);
     if (cell == NULL) {
-        Py_DECREF(call);
+        let_go(call);
         goto error;
     }
     if (PyList_GET_SIZE(consts) && use_constants(driver, call, consts) < 0) {
-        Py_DECREF(cell);
-        Py_DECREF(call);
+        let_go(cell);
+        let_go(call);
         goto error;
     }
     result = make_wrapper(out, rt, cell);
@@ -1400,13 +1435,16 @@ error:
     goto done;
 fallback:
     result = Py_NewRef(O_FALLBACK);
-done:
+done: {
+    Held held = hold_error(); /* Note [Letting go with an error pending] */
     Py_XDECREF(rt);
     scanned_clear(&sc);
     Py_XDECREF(out);
     Py_XDECREF(grad);
     Py_XDECREF(sized);
+    put_back(held);
     return result;
+}
 }
 
 /* The most outputs ``several_outputs`` registers itself (native_layer_norm and the like have 3). */
@@ -1469,12 +1507,12 @@ static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts
     if (call == NULL) goto error;
     PyObject *first = complete(rt, call, k, nbytes, values, NULL, NULL); /* unlocks, also when it fails */
     if (first == NULL) {
-        Py_DECREF(call);
+        let_go(call);
         return NULL;
     }
     Py_DECREF(first); /* the record's outputs hold the cells */
     if (PyList_GET_SIZE(consts) && use_constants(driver, call, consts) < 0) {
-        Py_DECREF(call);
+        let_go(call);
         return NULL;
     }
     PyObject *cells = SLOT(call, K_off[K_outputs]);
@@ -1579,12 +1617,16 @@ static PyObject *in_place_op(PyObject *driver, PyObject *rt, PyObject *facts, Py
     registered++;
 done:
     if (locked) unlock_after_error(rt, sc.inputs);
-    scanned_clear(&sc);
-    Py_DECREF(s);
-    Py_XDECREF(out);
-    Py_XDECREF(grad);
-    Py_XDECREF(seconds);
-    Py_XDECREF(call);
+    {
+        Held held = hold_error(); /* Note [Letting go with an error pending] */
+        scanned_clear(&sc);
+        Py_DECREF(s);
+        Py_XDECREF(out);
+        Py_XDECREF(grad);
+        Py_XDECREF(seconds);
+        Py_XDECREF(call);
+        put_back(held);
+    }
     return result;
 }
 
@@ -1669,7 +1711,8 @@ static PyObject *view_op(PyObject *driver, PyObject *rt, PyObject *facts, PyObje
     goto done;
 error:
     if (locked) unlock_after_error(rt, inputs);
-done:
+done: {
+    Held held = hold_error(); /* Note [Letting go with an error pending] */
     Py_XDECREF(targs);
     Py_XDECREF(vals);
     Py_XDECREF(inputs);
@@ -1680,7 +1723,9 @@ done:
     Py_XDECREF(slots);
     Py_XDECREF(call);
     Py_XDECREF(cells);
+    put_back(held);
     return result;
+}
 }
 
 /* Gradients._hook for a leaf that requires grad and is not hooked yet, as Driver._scan does
@@ -1912,10 +1957,14 @@ static PyObject *add_to_permanent(PyObject *driver, PyObject *rt, PyObject *args
     if (result != NULL) registered++;
 done:
     if (locked) unlock_after_error(rt, sc.inputs);
-    scanned_clear(&sc);
-    Py_XDECREF(out);
-    Py_XDECREF(seconds);
-    Py_XDECREF(rec);
+    {
+        Held held = hold_error(); /* Note [Letting go with an error pending] */
+        scanned_clear(&sc);
+        Py_XDECREF(out);
+        Py_XDECREF(seconds);
+        Py_XDECREF(rec);
+        put_back(held);
+    }
     return result;
 }
 

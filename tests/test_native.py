@@ -9,6 +9,7 @@ of leaving a field unset (and, in a checkout where it is built, not off)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import os
@@ -732,6 +733,37 @@ def test_an_in_place_op_whose_lineage_test_fails_raises_before_writing(python):
             rec.replayable = replayable
         assert y._dtr.cell.storage.locks == 0 and z._dtr.cell.storage.locks == 0
         assert torch.equal(dtr.materialize(y), x * 2) and torch.equal(dtr.materialize(w), x * 2 + 1)
+
+
+def _clears_errors_when_freed():
+    """An object whose deallocation clears the pending error (a capsule whose destructor is
+    ``PyErr_Clear``), as freeing a CUDA tensor did while torch recorded memory history with
+    Python stacks (Note [Letting go with an error pending] in hotpath.c)."""
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new(1, None, ctypes.cast(ctypes.pythonapi.PyErr_Clear, ctypes.c_void_p))
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_a_refusal_survives_an_output_whose_deallocation_clears_errors(python, monkeypatch):
+    """A refused op's output is freed on the way out with the ``OutOfBudgetError`` set; a
+    deallocation that clears pending errors must not turn the refusal into ``SystemError:
+    error return without exception set``."""
+    facts = facts_for(torch.ops.aten.mul.Tensor)
+    kernel = facts.kernel
+
+    def marked(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        out.dtr_test_finalizer = _clears_errors_when_freed()
+        return out
+
+    monkeypatch.setattr(facts, "kernel", marked)
+    x = torch.randn(1024)
+    with _python_path() if python else contextlib.nullcontext(), pytest.raises(dtr.OutOfBudgetError):
+        with dtr.budget(6 * 1024):
+            a = x + 1  # 4 KiB, the only storage the block holds
+            a * 2  # 4 KiB more with ``a`` locked: refused once it has run (outputs.fit)
 
 
 @needs_native
