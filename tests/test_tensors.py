@@ -233,8 +233,9 @@ def test_concurrent_budget_change_from_another_thread():
 
 
 def test_a_block_does_not_import_dynamo_and_compiled_code_inside_one_works():
-    """Note [Dynamo guard]: a training step under a budget leaves torch._dynamo unimported
-    (torch's own guard imported it on the first op, ~1 s); once torch.compile has imported it,
+    """Note [Dynamo guard]: a training step in an unlimited block leaves torch._dynamo
+    unimported (torch's own guard imported it on the first op, ~1 s; a budget's sizing of ops on
+    the meta device still does); once torch.compile has imported it,
     compiled code called inside a block runs, with eager's gradients, and dynamo never traces
     into the engine (it would warn about the C extensions it meets there)."""
     import subprocess

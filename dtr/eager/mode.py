@@ -13,7 +13,10 @@ compiled with ``torch.compile`` never traces into a mode. That wrapper imports
 for ~120,000 more objects in the process. Dynamo can only be tracing if it has been imported,
 so ``DTRMode`` opts out of torch's wrapper (a private flag; if torch drops it, its wrapper simply
 comes back) and applies the same ``torch._dynamo.disable(recursive=True)`` itself, from the
-first op after ``torch._dynamo`` appears in ``sys.modules``.
+first op after ``torch._dynamo`` appears in ``sys.modules``. A block under a budget sizes ops
+on the meta device (Note [Room before an op] in driver.py), and torch's meta kernels for some
+ops (``gt`` among them, through ``torch._prims_common.wrappers``) carry the same guard: the
+first of them imports dynamo.
 """
 
 from __future__ import annotations
