@@ -281,7 +281,7 @@ def translate(cell: Union[Storage, Cell]) -> None:
     untrack = s2.runtime._untrack
     for c in reversed(chain):
         rec = c.parent
-        rec2 = _sibling_record(rec, base)
+        rec2 = _sibling_record(rec, base, c.index)
         made = rec2 is None
         if made:
             rec2 = rec.retarget([base])
@@ -298,13 +298,23 @@ def translate(cell: Union[Storage, Cell]) -> None:
         base = c2
 
 
-def _sibling_record(rec: OpRecord, base: Cell) -> Optional[OpRecord]:
-    """The record on ``base`` that a sibling of ``rec``'s outputs was translated with, if any
-    (Note [Translated siblings])."""
-    for w in rec.outputs:
-        d = w() if type(w) is _Ref else None
-        if d is not None and d.forward is not None and d.forward.parent.inputs[0] is base:
-            return d.forward.parent
+def _sibling_record(rec: OpRecord, base: Cell, index: int) -> Optional[OpRecord]:
+    """The record on ``base`` that a sibling of ``rec``'s output ``index`` was translated with,
+    if the nearest live sibling on either side was (Note [Translated siblings]). Nearest only:
+    siblings are translated in order, and a scan of every output for each (an ``unbind`` of
+    thousands, most of them dead) made translating them quadratic."""
+    outs = rec.outputs
+    for step in (-1, 1):
+        j = index + step
+        while 0 <= j < len(outs):
+            w = outs[j]
+            d = w() if type(w) is _Ref else None
+            if d is not None:
+                f = d.forward
+                if f is not None and f.parent.inputs[0] is base:
+                    return f.parent
+                break
+            j += step
     return None
 
 
