@@ -14,13 +14,15 @@ steps timed as they are, then ``--repeats`` steps with the phases timed in place
 - ``materialize``: every rematerialization (``rematerialize.materialize``), with the replays
   and the eviction rounds it runs for room;
 - ``replay``: ``Driver.replay``, one op run again (guards, argument templates, the kernel);
-  ``kernels`` is the kernels' own time within it, as the driver timed them;
+  ``kernels`` is the kernels' own time within it, as the driver timed them, and ``copies`` the
+  copies an in-place op's replay starts from (``clone_root``) and the views it takes of them
+  (``derive``), timed around those calls;
 - ``eviction rounds``: ``Runtime._evict_to``, the candidate search and the evictions;
 - ``room before ops``: ``Driver._make_room``, sizing an op's outputs and evicting for them.
 
 Phases nest (a materialization replays and evicts; the Python path materializes), so the
 rows do not add up; ``machinery`` is the budgeted step less the unlimited one less the
-replayed kernels. Replays are counted apart from rematerializations: re-deriving a view of a
+replayed kernels and copies. Replays are counted apart from rematerializations: re-deriving a view of a
 resident storage replays its view op and brings back no bytes.
 
     .venv/bin/python benchmarks/budget_breakdown.py                       # both loops, 0.5
@@ -45,6 +47,7 @@ import torch
 import dtr
 from dtr.core import runtime as runtime_module
 from dtr.eager import driver as driver_module
+from dtr.eager import replay as replay_module
 from dtr.testing import zoo
 from dtr.testing.step import fresh_model, run_step
 
@@ -72,6 +75,7 @@ class Phases:
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.kernels = 0.0
+        self.copies = 0.0
         self._depth: collections.Counter = collections.Counter()
         self._saved: list = []
 
@@ -99,7 +103,23 @@ class Phases:
             if label == "replay":
                 fn = self._counting_kernels(fn)
             setattr(owner, name, self._timed(label, fn))
+        for name in ("clone_root", "derive"):  # module globals that replay() calls
+            fn = getattr(replay_module, name)
+            self._saved.append((replay_module, name, fn))
+            setattr(replay_module, name, self._copying(fn))
         return self
+
+    def _copying(self, fn):
+        clock = time.perf_counter
+
+        def timed(*args):
+            t0 = clock()
+            try:
+                return fn(*args)
+            finally:
+                self.copies += clock() - t0
+
+        return timed
 
     def _counting_kernels(self, replay):
         def replay_counted(driver, rec):
@@ -152,10 +172,11 @@ def measure(name: str, fraction: float, args) -> dict:
         "rematerializations": (after.rematerializations - before.rematerializations) / n,
         "replays": phases.calls["replay"] / n,
         "kernels_ms": phases.kernels / n * 1e3,
+        "copies_ms": phases.copies / n * 1e3,
         "phases_ms": {label: phases.seconds[label] / n * 1e3 for label, *_ in PHASES},
         "phase_calls": {label: phases.calls[label] / n for label, *_ in PHASES},
     }
-    row["machinery_ms"] = row["budget_ms"] - row["unlimited_ms"] - row["kernels_ms"]
+    row["machinery_ms"] = row["budget_ms"] - row["unlimited_ms"] - row["kernels_ms"] - row["copies_ms"]
     return row
 
 
@@ -168,7 +189,8 @@ def show(row: dict) -> None:
     for label, *_ in PHASES:
         print(f"  {label:42} {row['phases_ms'][label]:8.1f} {row['phase_calls'][label]:11.0f}")
     print(f"  {'of which replayed kernels':42} {row['kernels_ms']:8.1f}")
-    print(f"  {'machinery (budget - unlimited - kernels)':42} {row['machinery_ms']:8.1f}")
+    print(f"  {'of which copies for in-place replays':42} {row['copies_ms']:8.1f}")
+    print(f"  {'machinery (budget - unlimited - both)':42} {row['machinery_ms']:8.1f}")
 
 
 def main() -> None:
