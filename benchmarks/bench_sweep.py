@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -216,18 +217,45 @@ def _limited(limit: float, fn: Callable[[], object]):
         raise Failed(f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}") from None
 
 
+class _FullCollections:
+    """Seconds the cyclic collector spent in full (generation 2) collections while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def _on(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._t0 = time.perf_counter()
+            else:
+                self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> "_FullCollections":
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on)
+
+
 def _ratios(w, model, run: Callable[[], float], repeats: int, limit: float) -> dict:
     """Wall times of ``run`` (one ``timed_step``) and of eager steps, taking turns; ``run`` is
-    warmed up first. The eager steps run under no limit: they are the baseline."""
+    warmed up first. The eager steps run under no limit: they are the baseline. Each run's
+    wall time and the full collections inside it are kept (``walls_ms``, ``full_gc_ms``), so
+    that a slow run can be told from a thrashing one."""
     _limited(limit, run)
-    walls, eager = [], []
+    walls, eager, full_gc = [], [], []
     for _ in range(repeats):
         eager.append(timed_step(w, model))
-        walls.append(_limited(limit, run))
+        with _FullCollections() as collections:
+            walls.append(_limited(limit, run))
+        full_gc.append(round(collections.seconds * 1e3, 1))
     return {"eager_ms": round(statistics.median(eager) * 1e3, 3), "median_ms": round(statistics.median(walls) * 1e3, 3),
             "ratio": round(statistics.median(walls) / statistics.median(eager), 4), "repeats": repeats,
             # The slowest run over the median: a run that tipped into thrashing shows here.
-            "max_over_median": round(max(walls) / statistics.median(walls), 3)}
+            "max_over_median": round(max(walls) / statistics.median(walls), 3),
+            "walls_ms": [round(t * 1e3, 1) for t in walls], "full_gc_ms": full_gc}
 
 
 def true_peaks(w, model, make_engine: Callable[[], Optional[dtr.Engine]], limit: float) -> dict:
