@@ -76,10 +76,9 @@ class Views:
         if empty:
             return self._register(facts, func, out, seconds, inputs, targs, None, [(i, -1, 0)], [], grad, None,
                                   vals, _NO_KWARGS, args, _NO_KWARGS, [], True)
-        if not many:
-            (cell,) = rt.complete(call, (), fresh)
-            return make_wrapper(out, rt, cell)
         cells = rt.complete(call, (), fresh)
+        if not many:
+            return make_wrapper(out, rt, cells[0])
         return [make_wrapper(v, rt, cell) for v, cell in zip(out, cells)]
 
     def _alias(self, base: DTRTensor) -> DTRTensor:
