@@ -376,27 +376,38 @@ def small_series(fn: Callable[[], None]) -> List[Series]:
     return [Series("eager", eager), Series("passthrough_raw", raw), Series("dtr_unlimited", unlimited)]
 
 
+class FullCollections:
+    """Seconds the cyclic collector spends in full (oldest-generation) collections while
+    active (``seconds``), timed with ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _track(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._started = time.perf_counter()
+            else:
+                self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> "FullCollections":
+        gc.callbacks.append(self._track)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._track)
+
+
 def full_gc_seconds(fn: Callable[[], None], runs: int) -> float:
     """Seconds spent in full (oldest-generation) collections per run of ``fn``, amortized over
     ``runs`` back-to-back runs (after one warm-up run and a ``gc.collect()``)."""
     fn()
     gc.collect()
-    spent, started = [0.0], [0.0]
-
-    def track(phase, info):
-        if info["generation"] == 2:
-            if phase == "start":
-                started[0] = time.perf_counter()
-            else:
-                spent[0] += time.perf_counter() - started[0]
-
-    gc.callbacks.append(track)
-    try:
+    with FullCollections() as collections:
         for _ in range(runs):
             fn()
-    finally:
-        gc.callbacks.remove(track)
-    return spent[0] / runs
+    return collections.seconds / runs
 
 
 def count_ops(fn: Callable[[], None]) -> int:

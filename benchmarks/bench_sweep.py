@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -72,7 +71,7 @@ from dtr.testing import zoo
 from dtr.testing.memory import profiled_peak
 from dtr.testing.step import fresh_model, timed_step
 
-from bench_runtime import RunTimeout, time_limit
+from bench_runtime import FullCollections, RunTimeout, time_limit
 from plotting import pyplot
 from progress import progress
 from provenance import commit, machine
@@ -217,28 +216,6 @@ def _limited(limit: float, fn: Callable[[], object]):
         raise Failed(f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}") from None
 
 
-class _FullCollections:
-    """Seconds the cyclic collector spent in full (generation 2) collections while active."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def _on(self, phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                self._t0 = time.perf_counter()
-            else:
-                self.seconds += time.perf_counter() - self._t0
-
-    def __enter__(self) -> "_FullCollections":
-        gc.callbacks.append(self._on)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on)
-
-
 def _ratios(w, model, run: Callable[[], float], repeats: int, limit: float) -> dict:
     """Wall times of ``run`` (one ``timed_step``) and of eager steps, taking turns; ``run`` is
     warmed up first. The eager steps run under no limit: they are the baseline. Each run's
@@ -248,7 +225,7 @@ def _ratios(w, model, run: Callable[[], float], repeats: int, limit: float) -> d
     walls, eager, full_gc = [], [], []
     for _ in range(repeats):
         eager.append(timed_step(w, model))
-        with _FullCollections() as collections:
+        with FullCollections() as collections:
             walls.append(_limited(limit, run))
         full_gc.append(round(collections.seconds * 1e3, 1))
     return {"eager_ms": round(statistics.median(eager) * 1e3, 3), "median_ms": round(statistics.median(walls) * 1e3, 3),

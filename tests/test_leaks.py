@@ -266,7 +266,6 @@ def test_untrack_refuses_weakrefs_with_a_callback():
     assert gc.is_tracked(plain) is not collector.NATIVE
 
 
-
 @pytest.mark.skipif(not collector.NATIVE, reason="dtr_ext is not built")
 @pytest.mark.parametrize("python", [False, True])
 def test_the_weak_references_views_are_held_by_are_untracked(python, monkeypatch):
@@ -293,6 +292,7 @@ def test_the_weak_references_views_are_held_by_are_untracked(python, monkeypatch
         assert len(carried) >= 2 and len(held) >= 9, (carried, held)
         assert not [w for w in held if gc.is_tracked(w)]
         del i, f, g, gates, kept
+
 
 # Each untracked record is in cycles only through the ``parent`` link of a storage it made
 # (Note [Untracked records]), so a record left in a cycle keeps a storage alive: checking that

@@ -75,6 +75,18 @@ def _spy(patch, names, log, by_method=False):
         patch.setattr(Driver, name, run)
 
 
+@contextlib.contextmanager
+def _spied_block(python, engine, names, log, by_method=False):
+    """A step's block (``engine``'s, or eager's where it is None) on the Python path or the
+    native one, with the ops reaching ``Driver`` methods ``names`` logged (``_spy``) and every
+    eviction recorded: yields the evictions and the ``MonkeyPatch``, for more patches."""
+    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
+            pytest.MonkeyPatch.context() as patch:
+        _spy(patch, names, log, by_method)
+        with engine if engine is not None else contextlib.nullcontext():
+            yield evicted, patch
+
+
 def _assert_alike(native_run, python_run, eager_grads):
     """Both paths' steps, (graph, evictions after each op, stats, gradients), are equal, and
     their gradients are eager's."""
@@ -256,22 +268,19 @@ def _several_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
-            pytest.MonkeyPatch.context() as patch:
-        _spy(patch, ("_execute", "_register_several"), in_python)
-        with engine if engine is not None else contextlib.nullcontext():
-            h = torch.tanh(x * 1)
-            ordered, order = torch.sort(h, 1)
-            top, where = torch.max(h, 1)
-            low, high = torch.aminmax(h.detach())
-            normed = torch.nn.functional.layer_norm(h, (16,), g)
-            none, none_at = torch.topk(h, 0, dim=1)
-            conv = torch.nn.functional.conv2d(image, k)
-            loss = ordered[:, -1].sum() + top.sum() + (where + order[:, 0]).sum() * 0 + low * high + normed.pow(2).sum()
-            loss = loss + conv.pow(2).sum() + none.sum()
-            loss.backward()
-            if engine is not None:  # with the largest output, which decides when ops are sized
-                graph = _graph(engine.runtime), engine._driver.largest_output
+    with _spied_block(python, engine, ("_execute", "_register_several"), in_python) as (evicted, _):
+        h = torch.tanh(x * 1)
+        ordered, order = torch.sort(h, 1)
+        top, where = torch.max(h, 1)
+        low, high = torch.aminmax(h.detach())
+        normed = torch.nn.functional.layer_norm(h, (16,), g)
+        none, none_at = torch.topk(h, 0, dim=1)
+        conv = torch.nn.functional.conv2d(image, k)
+        loss = ordered[:, -1].sum() + top.sum() + (where + order[:, 0]).sum() * 0 + low * high + normed.pow(2).sum()
+        loss = loss + conv.pow(2).sum() + none.sum()
+        loss.backward()
+        if engine is not None:  # with the largest output, which decides when ops are sized
+            graph = _graph(engine.runtime), engine._driver.largest_output
     return [x.grad, g.grad, k.grad], graph, evicted, engine and engine.stats(), in_python
 
 
@@ -315,32 +324,29 @@ def _in_place_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
-            pytest.MonkeyPatch.context() as patch:
-        _spy(patch, ("_execute",), in_python)
-        with engine if engine is not None else contextlib.nullcontext():
-            moved = c + shift
-            shift.add_(1)  # a constant a record read, written: every lineage is cut (Constants)
-            moved.mul_(2)  # no lineage, no reader: its new version is not recomputable
-            gates = x @ w
-            i, f, g, o = gates.unsafe_chunk(4, 1)
-            i.sigmoid_()
-            f.sigmoid_()
-            g.tanh_()
-            o.sigmoid_()
-            h = (f * c + i * g) * o.tanh()
-            h2 = h * 1
-            h2.mul_(0.5).add_(c).add_(h)
-            h3 = h * 2
-            h3.add_(h3).mul_(h2)
-            kept = h3[:, :8]
-            kept.relu_()
-            out = torch.empty_like(h)
-            out.copy_(h3)
-            loss = out.sum() + kept.sum() + h.sum() + moved.sum()
-            loss.backward()
-            if engine is not None:
-                graph = _graph(engine.runtime)
+    with _spied_block(python, engine, ("_execute",), in_python) as (evicted, _):
+        moved = c + shift
+        shift.add_(1)  # a constant a record read, written: every lineage is cut (Constants)
+        moved.mul_(2)  # no lineage, no reader: its new version is not recomputable
+        gates = x @ w
+        i, f, g, o = gates.unsafe_chunk(4, 1)
+        i.sigmoid_()
+        f.sigmoid_()
+        g.tanh_()
+        o.sigmoid_()
+        h = (f * c + i * g) * o.tanh()
+        h2 = h * 1
+        h2.mul_(0.5).add_(c).add_(h)
+        h3 = h * 2
+        h3.add_(h3).mul_(h2)
+        kept = h3[:, :8]
+        kept.relu_()
+        out = torch.empty_like(h)
+        out.copy_(h3)
+        loss = out.sum() + kept.sum() + h.sum() + moved.sum()
+        loss.backward()
+        if engine is not None:
+            graph = _graph(engine.runtime)
     return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python
 
 
@@ -392,22 +398,19 @@ def _kwargs_step(limit=None, python=False):
         room.append((facts.name, {k: _tensor(v) for k, v in kw.items()}))
         return make_room(driver, facts, func, vals, kw)
 
-    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
-            pytest.MonkeyPatch.context() as patch:
-        _spy(patch, ("_execute", "_register_several"), in_python)
+    with _spied_block(python, engine, ("_execute", "_register_several"), in_python) as (evicted, patch):
         patch.setattr(Driver, "_make_room", sized)
-        with engine if engine is not None else contextlib.nullcontext():
-            h = torch.tanh(x @ w)
-            wide = h.to(torch.float64)
-            h = torch.add(h, wide.to(torch.float32), alpha=0.5)
-            h = torch.where(h > 0, h, 0.25) * torch.ones_like(h, dtype=torch.float32)
-            var, mean = torch.var_mean(h, 1, correction=0)
-            nothing, _ = torch.var_mean(h[:0], 1, correction=0)
-            bins = torch.searchsorted(edges, h.detach(), sorter=torch.arange(8))
-            loss = var.sum() + mean.sum(dtype=torch.float64).float() + nothing.sum() + (bins.sum() * 0).float()
-            loss.backward()
-            if engine is not None:
-                graph = _graph(engine.runtime)
+        h = torch.tanh(x @ w)
+        wide = h.to(torch.float64)
+        h = torch.add(h, wide.to(torch.float32), alpha=0.5)
+        h = torch.where(h > 0, h, 0.25) * torch.ones_like(h, dtype=torch.float32)
+        var, mean = torch.var_mean(h, 1, correction=0)
+        nothing, _ = torch.var_mean(h[:0], 1, correction=0)
+        bins = torch.searchsorted(edges, h.detach(), sorter=torch.arange(8))
+        loss = var.sum() + mean.sum(dtype=torch.float64).float() + nothing.sum() + (bins.sum() * 0).float()
+        loss.backward()
+        if engine is not None:
+            graph = _graph(engine.runtime)
     return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python, room
 
 
@@ -455,26 +458,24 @@ def _list_views_step(limit=None, python=False):
     engine = dtr.budget(limit, cost="estimate") if limit is not False else None
     graph = None
     in_python = []
-    with _python_path() if python else contextlib.nullcontext(), _evictions(True) as evicted, \
-            pytest.MonkeyPatch.context() as patch:
-        _spy(patch, ("_run_view", "_execute", "_register"), in_python, by_method=True)
-        with engine if engine is not None else contextlib.nullcontext():
-            gates = x @ w
-            i, f, g = gates.unsafe_chunk(3, 1)
-            h = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c
-            a, b = (h * 2).chunk(2, 0)
-            if engine is not None:  # an evicted base: the native path hands the op to Python's
-                rt = engine.runtime
-                assert rt.evict([rt.resolve(h._dtr.cell).storage])
-            left, right = h.split([4, 12], 1)
-            rows = (a + b).unbind(0)
-            nothing = h[:, :0].unbind(1)
-            plain = c.split(8, 1)
-            loss = left.sum() * right.mean() + sum(r.pow(2).sum() for r in rows) + len(nothing)
-            loss = loss + (h * plain[0].sum()).sum()
-            loss.backward()
-            if engine is not None:  # with the estimated cost of the ops run, which plans profile
-                graph = _graph(engine.runtime), engine._driver.op_seconds
+    names = ("_run_view", "_execute", "_register")
+    with _spied_block(python, engine, names, in_python, by_method=True) as (evicted, _):
+        gates = x @ w
+        i, f, g = gates.unsafe_chunk(3, 1)
+        h = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c
+        a, b = (h * 2).chunk(2, 0)
+        if engine is not None:  # an evicted base: the native path hands the op to Python's
+            rt = engine.runtime
+            assert rt.evict([rt.resolve(h._dtr.cell).storage])
+        left, right = h.split([4, 12], 1)
+        rows = (a + b).unbind(0)
+        nothing = h[:, :0].unbind(1)
+        plain = c.split(8, 1)
+        loss = left.sum() * right.mean() + sum(r.pow(2).sum() for r in rows) + len(nothing)
+        loss = loss + (h * plain[0].sum()).sum()
+        loss.backward()
+        if engine is not None:  # with the estimated cost of the ops run, which plans profile
+            graph = _graph(engine.runtime), engine._driver.op_seconds
     return [x.grad, w.grad], graph, evicted, engine and engine.stats(), in_python
 
 

@@ -31,7 +31,6 @@ def test_one_view_is_a_single_view_of_the_only_tensor_argument(op, one_view):
     assert facts_for(op).one_view is one_view
 
 
-
 @pytest.mark.parametrize(
     "op, list_view",
     [
@@ -46,6 +45,7 @@ def test_one_view_is_a_single_view_of_the_only_tensor_argument(op, one_view):
 )
 def test_list_view_is_a_list_of_views_of_the_only_tensor_argument(op, list_view):
     assert facts_for(op).list_view is list_view
+
 
 VIEWS = {
     "t": lambda y: y.t(),
