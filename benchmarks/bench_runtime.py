@@ -7,9 +7,9 @@ Two sections (the runtime issue's benchmark):
    the last two take the general Python path, the others the native one), timed eagerly, under a trivial
    ``TorchDispatchMode`` that only calls ``func(*args, **kwargs)`` (PyTorch's Python-dispatch
    floor, ``passthrough_raw``: without the ``torch._disable_dynamo`` wrapper torch puts around
-   every mode's ``__torch_dispatch__``, which imports ``torch._dynamo``; ``DTRMode`` has none
-   either until dynamo is loaded, Note [Dynamo guard], and nothing in this section loads it,
-   so dtr runs as in a program that does not use ``torch.compile``), and under
+   every mode's ``__torch_dispatch__``, which imports ``torch._dynamo``; ``DTRMode`` takes
+   its own only inside compiled code, Note [Dynamo guard], and nothing in this section loads
+   dynamo, so dtr runs as in a program that does not use ``torch.compile``), and under
    ``dtr.budget(None)`` (tracking, no eviction). Engine work per op is
    ``(dtr - eager) / engine.stats().ops``; "beyond floor" is ``(dtr - passthrough_raw) / ops``,
    dtr's own bookkeeping. The timed runs start from a ``gc.collect()``, so they hold the
@@ -167,7 +167,7 @@ class WrapperFloor(TorchDispatchMode):
     program as a new ``_Wrapped``: what a tensor subclass costs before any bookkeeping
     (``_make_wrapper_subclass``, unwrapping, autograd over subclass tensors). As in dtr, views
     of plain tensors (``weight.t()``) stay plain, and torch's dynamo guard around the mode is
-    left out (``RawPassThrough``; ``DTRMode`` has none either: Note [Dynamo guard]).
+    left out (``RawPassThrough``; ``DTRMode`` has none outside compiled code: Note [Dynamo guard]).
     ``op_breakdown.BareMode`` is its instrumented counterpart (kernels timed, strides always
     passed), whose figures docs/runtime.md quotes at the commit that measured them."""
 
