@@ -583,3 +583,29 @@ def test_output_sizes_tell_scalars_of_other_types_apart():
     full = torch.ops.aten.full.default
     sizes = [output_size.output_bytes(full, ((1000,), v), {})[1] for v in (1.0, 1, True)]
     assert sizes == [4000, 8000, 1000]
+
+
+def test_output_sizes_settle_after_a_real_run_and_data_dependent_ones_never_do(monkeypatch):
+    """``correct`` raises an entry to what a real run made (a workspace the meta device does not
+    see), settles it once a run made no more, and keeps measuring the entries of ops whose output
+    size depends on the data."""
+    for name in ("_SIZES", "_SETTLED", "_UNSIZED"):  # the process's own entries stay as they are
+        monkeypatch.setattr(output_size, name, type(getattr(output_size, name))())
+    mm = torch.ops.aten.mm.default
+    args = (torch.randn(3, 5), torch.randn(5, 7))
+    key, n = output_size.output_bytes(mm, args, {})
+    assert key is not None and n == 3 * 7 * 4
+    output_size.correct(key, torch.empty(3 * 7 + 10), args, {})  # a run that made more
+    key, n = output_size.output_bytes(mm, args, {})
+    assert key is not None and n == (3 * 7 + 10) * 4
+    output_size.correct(key, mm(*args), args, {})
+    assert output_size.output_bytes(mm, args, {}) == (None, (3 * 7 + 10) * 4)
+
+    nonzero = torch.ops.aten.nonzero.default
+    mask = (torch.arange(50) % 3 == 0,)
+    key, n = output_size.output_bytes(nonzero, mask, {})
+    assert n == 0
+    for count, want in ((10, 10), (4, 10), (20, 20)):
+        output_size.correct(key, torch.empty(count, 1, dtype=torch.long), mask, {})
+        key, n = output_size.output_bytes(nonzero, mask, {})
+        assert key is not None and n == want * 8

@@ -7,7 +7,10 @@ on the meta device (shapes and dtypes only, no data, no random numbers drawn), c
 op and its arguments' shapes and dtypes: a training loop runs the same ops on the same shapes
 every step, so after the first step a lookup is the whole cost. Where an op's real outputs
 turn out larger than the meta device said (``mkldnn_rnn_layer``'s workspace), the driver
-corrects the entry (``correct``), so that the next step makes enough room.
+corrects the entry (``correct``), so that the next step makes enough room. Once a real run made
+no more than an entry the meta device sized, the entry is settled: the same shapes and dtypes
+make the same sizes, so its later runs are not measured again (``correct`` costs about as much
+as the lookup). Entries the meta device could not size (data-dependent shapes) never settle.
 
 What this cannot see: memory a kernel allocates for itself and frees before it returns
 (convolution and matmul workspaces, cuBLAS/cuDNN scratch). No dispatch mode sees it, so it is
@@ -16,7 +19,7 @@ never charged; the true peak can pass the budget by that much.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Set, Tuple
 
 import torch
 
@@ -25,6 +28,8 @@ __all__ = ["correct", "flat_tensors", "output_bytes"]
 _Tensor = torch.Tensor
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _SIZES: Dict[Tuple[Any, ...], int] = {}
+_SETTLED: Set[Tuple[Any, ...]] = set()  # a real run made no more than the meta device's size
+_UNSIZED: Set[Tuple[Any, ...]] = set()  # the meta device could not size them
 _META = torch.device("meta")
 _MAX_ENTRIES = 100_000  # a model with ever-new shapes must not grow the cache without end
 
@@ -32,7 +37,8 @@ _MAX_ENTRIES = 100_000  # a model with ever-new shapes must not grow the cache w
 def output_bytes(func, args, kwargs) -> Tuple[Any, int]:
     """Bytes of the tensors ``func(*args, **kwargs)`` would return that are not its arguments
     (0 where the meta device cannot tell: data-dependent shapes, ops without a meta kernel),
-    and the key to ``correct`` them by (None where the arguments cannot be hashed)."""
+    and the key to ``correct`` them by (None where the arguments cannot be hashed, or the
+    entry is settled)."""
     try:
         key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else None)
         n = _SIZES.get(key)
@@ -41,7 +47,13 @@ def output_bytes(func, args, kwargs) -> Tuple[Any, int]:
     if n is None:
         if len(_SIZES) >= _MAX_ENTRIES:
             _SIZES.clear()
+            _SETTLED.clear()
+            _UNSIZED.clear()
         n = _SIZES[key] = _on_meta(func, args, kwargs)
+        if not n:
+            _UNSIZED.add(key)
+    elif key in _SETTLED:
+        return None, n
     return key, n
 
 
@@ -56,8 +68,13 @@ def correct(key, out, args, kwargs) -> None:
         for t in flat_tensors(out)
         if id(t) not in given and type(t) is _Tensor and t.layout is torch.strided
     )
-    if made > _SIZES.get(key, 0):
+    known = _SIZES.get(key)
+    if known is None:  # the cache was cleared since the lookup
+        return
+    if made > known:
         _SIZES[key] = made
+    elif key not in _UNSIZED:
+        _SETTLED.add(key)
 
 
 def _signature(a):
