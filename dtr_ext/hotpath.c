@@ -30,6 +30,12 @@
  * Python path has more to do first (a written constant or handed-out tensor, lineage to make
  * permanent, an input to rematerialize) it returns ``FALLBACK`` for ``Driver._execute``.
  *
+ * ``ordinary(index)`` is the candidate index's search for an eviction round's next victim
+ * (``CandidateIndex._ordinary``): the argmin over the rows' bounds, the heap of scored rows, and
+ * ``_examine``'s scoring of an ORDINARY row, with h_DTR^eq's ``key`` in C when the index's key
+ * is ``DTREq.key`` (another heuristic's key is called in Python); a row of any other case goes
+ * to ``_examine`` in Python. A runtime driven by the native path gets it (``Driver._bind_native``).
+ *
  * The Python code stays the definition: this file mirrors it statement for statement, calls the
  * heuristic's hooks, ``lineage.release`` and the rarer branches in Python, and works on the
  * Python classes themselves (``Storage``, ``Call``, ``Ref``, ``DTRTensor`` with ``__slots__``):
@@ -44,6 +50,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h> /* T_OBJECT_EX */
+#include <math.h>
+#include <string.h>
 
 #if PY_VERSION_HEX < 0x030A0000
 static inline PyObject *Py_NewRef(PyObject *o) {
@@ -52,7 +60,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 }
 #endif
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
@@ -60,6 +68,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
     *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
+    *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
@@ -120,7 +129,8 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
-    *A__views_alias_data;
+    *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
+    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -575,6 +585,266 @@ static int dtreq_on_evict(PyObject *s) {
     set_slot(s, S_off[S_hdata], node);
     Py_DECREF(node);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The candidate index's search (candidates.CandidateIndex._ordinary, with ``_examine``'s scoring
+ * of an ORDINARY row and h_DTR^eq's ``key``). Rows of other cases go to ``_examine`` in Python. */
+
+static double TOL, F32_MAX; /* candidates._TOL and _F32_MAX */
+static int recomputable(PyObject *s);
+
+/* The distinct neighbouring sets DTREq.key has summed: a few, kept on the stack until more come. */
+typedef struct {
+    PyObject **items, *local[16];
+    Py_ssize_t n, cap;
+} Seen;
+
+/* One neighbour ``n`` of DTREq.key's loop: adds its set's cost the first time the set is seen.
+ * 0, or -1 on error. */
+static int key_neighbour(PyObject *n, Seen *seen, double *cost) {
+    PyObject *h = SLOT(n, S_off[S_hdata]);
+    if (SLOT(n, S_off[S_state]) != O_EVICTED || h == Py_None) return 0;
+    PyObject *r = uf_find(h);
+    for (Py_ssize_t i = 0; i < seen->n; i++)
+        if (seen->items[i] == r) return 0;
+    if (seen->n == seen->cap) {
+        Py_ssize_t cap = 2 * seen->cap;
+        PyObject **items = PyMem_Malloc(cap * sizeof(PyObject *));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(items, seen->items, seen->n * sizeof(PyObject *));
+        if (seen->items != seen->local) PyMem_Free(seen->items);
+        seen->items = items;
+        seen->cap = cap;
+    }
+    seen->items[seen->n++] = r;
+    double c = PyFloat_AsDouble(SLOT(r, U_off[U_cost]));
+    if (c == -1.0 && PyErr_Occurred()) return -1;
+    *cost += c;
+    return 0;
+}
+
+/* DTREq.key(s): a new float, or NULL. Sums in the Python loop's order, so the float is its. */
+static PyObject *dtreq_key(PyObject *s) {
+    double cost = PyFloat_AsDouble(SLOT(s, S_off[S_cost]));
+    if (cost == -1.0 && PyErr_Occurred()) return NULL;
+    Seen seen;
+    seen.items = seen.local;
+    seen.n = 0;
+    seen.cap = 16;
+    int r = 0;
+    PyObject *parent = SLOT(s, S_off[S_parent]);
+    if (parent != Py_None) { /* s.deps() */
+        PyObject *deps = PySequence_Fast(SLOT(parent, K_off[K_use_storages]), "use_storages");
+        if (deps == NULL) return NULL;
+        for (Py_ssize_t i = 0; r == 0 && i < PySequence_Fast_GET_SIZE(deps); i++)
+            r = key_neighbour(PySequence_Fast_GET_ITEM(deps, i), &seen, &cost);
+        Py_DECREF(deps);
+    }
+    PyObject *dependents = SLOT(s, S_off[S_dependents]);
+    if (r == 0 && PyDict_Check(dependents)) {
+        Py_ssize_t pos = 0;
+        PyObject *n, *unused;
+        while (r == 0 && PyDict_Next(dependents, &pos, &n, &unused)) r = key_neighbour(n, &seen, &cost);
+    }
+    if (seen.items != seen.local) PyMem_Free(seen.items);
+    if (r < 0) return NULL;
+    long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    return PyFloat_FromDouble(cost / (double)(nbytes ? nbytes : 1));
+}
+
+/* What the search reads of the index, once per search (``_examine`` changes none of it). */
+typedef struct {
+    PyObject *index, *checked, *rows, *picks, *small_below, *protected_from, *key;
+    long long now, base;
+    int staleness, native_key;
+    float *buf, *bound, *la;
+    Py_ssize_t n;
+} Search;
+
+/* candidates._margin */
+static double margin(double score) {
+    if (score - score != 0.0) return score;
+    return score - fabs(score) * TOL;
+}
+
+static int scored(Search *x, Py_ssize_t slot, PyObject *s);
+
+/* ``_examine(slot)`` where the row is an ORDINARY candidate's: 1 once scored into the round's
+ * heap, 0 for any other case (the caller hands the row to the Python method), -1 on error. */
+static int score_row(Search *x, Py_ssize_t slot) {
+    PyObject *s = PyList_GET_ITEM(x->rows, slot);
+    if (!Py_IS_TYPE(s, T_Storage) || SLOT(s, S_off[S_state]) != O_RESIDENT) return 0;
+    PyObject *own = SLOT(s, S_off[S_slot]);
+    if (!PyLong_CheckExact(own)) return 0;
+    Py_ssize_t at_slot = PyLong_AsSsize_t(own);
+    if (at_slot == -1 && PyErr_Occurred()) return -1;
+    if (at_slot != slot) return 0;
+    Py_INCREF(s); /* a Python key runs in between */
+    int r = scored(x, slot, s);
+    Py_DECREF(s);
+    return r;
+}
+
+/* ``score_row`` for ``s``, the storage of its row. */
+static int scored(Search *x, Py_ssize_t slot, PyObject *s) {
+    int r = PyObject_IsTrue(SLOT(s, S_off[S_protected])); /* eviction.tier */
+    if (r == 0) r = PyObject_RichCompareBool(SLOT(s, S_off[S_sid]), x->protected_from, Py_GE);
+    if (r == 0) r = PyObject_IsTrue(SLOT(s, S_off[S_backward]));
+    if (r == 0) r = PyObject_IsTrue(SLOT(s, S_off[S_locks]));
+    if (r == 0) {
+        r = recomputable(s);
+        if (r >= 0) r = !r;
+    }
+    if (r == 0) r = PyObject_RichCompareBool(SLOT(s, S_off[S_nbytes]), x->small_below, Py_LT);
+    if (r != 0) return r < 0 ? -1 : 0;
+    PyObject *k = x->native_key ? dtreq_key(s) : PyObject_CallOneArg(x->key, s);
+    if (k == NULL) return -1;
+    double kd = PyFloat_AsDouble(k);
+    long long la = PyLong_AsLongLong(SLOT(s, S_off[S_last_access]));
+    if ((kd == -1.0 || la == -1) && PyErr_Occurred()) {
+        Py_DECREF(k);
+        return -1;
+    }
+    x->bound[slot] = (float)(F32_MAX < kd ? F32_MAX : kd); /* min(k, _F32_MAX), NaN kept */
+    x->la[slot] = (float)(la - x->base);
+    PyObject *score = x->staleness ? PyFloat_FromDouble(kd / (double)(x->now - la + 1)) : Py_NewRef(k);
+    Py_DECREF(k);
+    PyObject *at = score ? PyLong_FromSsize_t(slot) : NULL;
+    PyObject *entry = at ? PyTuple_Pack(4, score, SLOT(s, S_off[S_sid]), at, x->picks) : NULL;
+    Py_XDECREF(score);
+    Py_XDECREF(at);
+    if (entry == NULL) return -1;
+    PyObject *done = PyObject_CallFunctionObjArgs(O_heappush, x->checked, entry, NULL);
+    Py_DECREF(entry);
+    if (done == NULL) return -1;
+    Py_DECREF(done);
+    return 1;
+}
+
+static int examine(Search *x, Py_ssize_t slot) {
+    int r = score_row(x, slot);
+    if (r != 0) return r < 0 ? -1 : 0;
+    PyObject *at = PyLong_FromSsize_t(slot);
+    PyObject *done = at ? PyObject_CallMethodOneArg(x->index, A__examine, at) : NULL;
+    Py_XDECREF(at);
+    if (done == NULL) return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* One of the index's float32 arrays, writable, as many rows as ``_rows``. */
+static float *rows_of(PyObject *index, PyObject *name, Py_buffer *view, Py_ssize_t n) {
+    PyObject *a = PyObject_GetAttr(index, name);
+    if (a == NULL) return NULL;
+    int r = PyObject_GetBuffer(a, view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS);
+    Py_DECREF(a);
+    if (r < 0) return NULL;
+    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "f") != 0 || view->len != n * 4) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.ordinary: the index's rows are not float32 arrays of its size");
+        return NULL;
+    }
+    return (float *)view->buf;
+}
+
+static int attr_flag(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* CandidateIndex._ordinary(index) */
+static PyObject *ordinary(PyObject *module, PyObject *index) {
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "dtr_ext._hotpath: bind() first");
+        return NULL;
+    }
+    Search x = {index};
+    Py_buffer views[3] = {{0}};
+    PyObject *result = NULL;
+    x.checked = PyObject_GetAttr(index, A__checked);
+    x.rows = x.checked ? PyObject_GetAttr(index, A__rows) : NULL;
+    x.picks = x.rows ? PyObject_GetAttr(index, A__picks) : NULL;
+    x.small_below = x.picks ? PyObject_GetAttr(index, A__small_below) : NULL;
+    x.protected_from = x.small_below ? PyObject_GetAttr(index, A__protected_from) : NULL;
+    x.key = x.protected_from ? PyObject_GetAttr(index, A__key) : NULL;
+    if (x.key == NULL || attr_ll(index, A__now, &x.now) < 0 || attr_ll(index, A__base, &x.base) < 0 ||
+        (x.staleness = attr_flag(index, A__staleness)) < 0)
+        goto done;
+    if (!PyList_CheckExact(x.checked) || !PyList_CheckExact(x.rows)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.ordinary: the index's heap and rows must be lists");
+        goto done;
+    }
+    x.native_key = PyMethod_Check(x.key) && PyMethod_GET_FUNCTION(x.key) == O_dtreq_key;
+    x.n = PyList_GET_SIZE(x.rows);
+    if ((x.buf = rows_of(index, A__buf, &views[0], x.n)) == NULL ||
+        (x.bound = rows_of(index, A__bound, &views[1], x.n)) == NULL ||
+        (x.la = rows_of(index, A__la, &views[2], x.n)) == NULL)
+        goto done;
+    if (x.n == 0) {
+        PyErr_SetString(PyExc_ValueError, "dtr_ext._hotpath.ordinary: an index without rows");
+        goto done;
+    }
+    float *buf = x.buf;
+    for (;;) {
+        Py_ssize_t i = 0; /* buf.argmin(): the first NaN, else the first lowest */
+        float low = buf[0];
+        if (low == low)
+            for (Py_ssize_t j = 1; j < x.n; j++) {
+                float v = buf[j];
+                if (v != v) {
+                    i = j;
+                    break;
+                }
+                if (v < low) {
+                    low = v;
+                    i = j;
+                }
+            }
+        double lb = (double)buf[i];
+        if (PyList_GET_SIZE(x.checked)) {
+            PyObject *top = PyList_GET_ITEM(x.checked, 0);
+            double score = PyFloat_AsDouble(PyTuple_GET_ITEM(top, 0));
+            if (score == -1.0 && PyErr_Occurred()) goto done;
+            if (lb == INFINITY || lb >= margin(score)) {
+                PyObject *popped = PyObject_CallOneArg(O_heappop, x.checked);
+                if (popped == NULL) goto done;
+                Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(popped, 2));
+                int now = slot == -1 && PyErr_Occurred() ? -1 : PyObject_RichCompareBool(PyTuple_GET_ITEM(popped, 3), x.picks, Py_EQ);
+                Py_DECREF(popped);
+                if (now < 0) goto done;
+                if (now) {
+                    result = Py_NewRef(PyList_GET_ITEM(x.rows, slot));
+                    goto done;
+                }
+                if (examine(&x, slot) < 0) goto done; /* scored before this round's last eviction: re-score */
+                continue;
+            }
+        } else if (lb == INFINITY) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        buf[i] = INFINITY;
+        if (examine(&x, i) < 0) goto done;
+    }
+done:
+    for (int v = 0; v < 3; v++)
+        if (views[v].obj != NULL) PyBuffer_Release(&views[v]);
+    Py_XDECREF(x.checked);
+    Py_XDECREF(x.rows);
+    Py_XDECREF(x.picks);
+    Py_XDECREF(x.small_below);
+    Py_XDECREF(x.protected_from);
+    Py_XDECREF(x.key);
+    return result;
 }
 
 /* Runtime._evict(s) */
@@ -2253,6 +2523,14 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(UFNode);
     GET_TYPE(DTREq);
     GET(dtreq_on_evict);
+    GET(dtreq_key);
+    GET(heappush);
+    GET(heappop);
+    GET(TOL);
+    GET(F32_MAX);
+    TOL = PyFloat_AsDouble(O_TOL);
+    F32_MAX = PyFloat_AsDouble(O_F32_MAX);
+    if (PyErr_Occurred()) return NULL;
     GET(strided);
     GET(RESIDENT);
     GET(RELEASED);
@@ -2330,7 +2608,16 @@ static PyObject *dense_py(PyObject *module, PyObject *t) {
     return PyBool_FromLong(d);
 }
 
+static PyObject *dtreq_key_py(PyObject *module, PyObject *s) {
+    if (!bound || !Py_IS_TYPE(s, T_Storage)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.dtreq_key: a Storage, after bind()");
+        return NULL;
+    }
+    return dtreq_key(s);
+}
+
 static PyMethodDef methods[] = {
+    {"dtreq_key", dtreq_key_py, METH_O, "dtreq_key(s): DTREq.key(s), as the native search computes it (for tests)."},
     {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
@@ -2342,6 +2629,9 @@ static PyMethodDef methods[] = {
      "in-place one as Driver._run does, or return the "
      "FALLBACK sentinel (nothing changed but resolved wrappers and hooked parameters) for the "
      "Python path to run it."},
+    {"ordinary", (PyCFunction)ordinary, METH_O,
+     "ordinary(index): CandidateIndex._ordinary, the pick's lowest-scored ORDINARY candidate or "
+     "None, with h_DTR^eq's key native."},
     {"bind", (PyCFunction)bind, METH_O,
      "bind(config): the classes, functions and constants of dtr the native path uses."},
     {NULL, NULL, 0, NULL},
@@ -2372,7 +2662,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
-    INTERN(_views_alias_data);
+    INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
+    INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
+    INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -166,8 +166,8 @@ class CheckedIndex(CandidateIndex):
 
     picks = 0
 
-    def __init__(self, heuristic) -> None:
-        super().__init__(heuristic)
+    def __init__(self, heuristic, ordinary=None) -> None:
+        super().__init__(heuristic, ordinary)
         self.heuristic = heuristic
 
     def begin(self, resident, now, small_below, protected_from=float("inf")):

@@ -813,3 +813,70 @@ def test_the_engine_property_tests_pass_without_the_native_path():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert collected and re.match(rf"{collected.group(1)} passed in ", summary), summary
+
+
+TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
+
+
+def _simulated_evictions(path, fraction, heuristic, ordinary):
+    """The storages ``dtr.simulate`` evicts on the trace at ``path`` at ``fraction`` of its
+    peak, in order, and its result, with ``ordinary`` as the candidate index's search (None:
+    the Python one)."""
+    evicted = []
+    init, evict = Runtime.__init__, Runtime._evict
+
+    def made(rt, *args, **kwargs):
+        init(rt, *args, **kwargs)
+        rt.native_ordinary = ordinary
+
+    def logged(rt, s):
+        evicted.append(s.sid)
+        evict(rt, s)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Runtime, "__init__", made)
+        patch.setattr(Runtime, "_evict", logged)
+        peak = dtr.simulate(path, None).peak_bytes
+        result = dtr.simulate(path, int(peak * fraction), heuristic=heuristic, max_recompute=10.0)
+    return evicted, result
+
+
+@needs_native
+@pytest.mark.parametrize("trace,fraction", [
+    ("mlp", 0.3), ("transformer", 0.3), ("lstmcell", 0.5), ("treelstm", 0.5), ("gru_cell", 0.3),
+    ("lstm_cell_masked", 0.5), ("treelstm_batch", 0.5), ("gru", 0.3),
+])
+@pytest.mark.parametrize("heuristic", ["dtr_eq", "dtr"])
+def test_both_searches_evict_alike_on_the_zoo_traces(trace, fraction, heuristic):
+    """The candidate index's native search (hotpath.c's ``ordinary``, with h_DTR^eq's key native
+    and any other heuristic's key called in Python) evicts the same storages in the same order
+    as ``CandidateIndex._ordinary`` on the shipped traces, through the simulator, which drives
+    the same runtime as ``dtr.budget``."""
+    path = TRACES / f"{trace}.jsonl.gz"
+    got, got_result = _simulated_evictions(path, fraction, heuristic, native.ordinary)
+    want, want_result = _simulated_evictions(path, fraction, heuristic, None)
+    assert len(want) > 20
+    assert got == want
+    assert got_result == want_result
+
+
+@needs_native
+def test_the_native_key_is_h_dtr_eq_s_next_to_many_evicted_sets():
+    """h_DTR^eq's key in C is the Python one's float, also for a storage next to more evicted
+    union-find sets than the C keeps on its stack (16): 40 products of one tensor, evicted."""
+    from dtr_ext import _hotpath
+
+    w = torch.randn(64, 64, requires_grad=True)
+    with dtr.budget(12 * 64 * 64 * 4, cost="estimate") as engine:
+        x = torch.randn(64, 64) @ w
+        products = [x * float(k) for k in range(40)]
+        rt = engine.runtime
+        storages = list(rt.storages())
+        sets = {
+            s.sid: len({find(n.hdata) for n in s.dependents if n.state is State.EVICTED})
+            for s in storages
+        }
+        assert max(sets.values()) > 16
+        for s in storages:
+            assert _hotpath.dtreq_key(s) == rt.heuristic.key(s), s
+    del products

@@ -47,6 +47,10 @@ ended (Note [Rebuilt twice in one access]); a row protected while active moves w
 before it can be picked), and BACKWARD ones ("gradients": scanned with the protected ones,
 never re-checked, since a storage stays BACKWARD until it leaves memory).
 
+A runtime driven by the native path (eager/native.py) searches with hotpath.c's ``ordinary``,
+the statement-for-statement twin of ``_ordinary`` (h_DTR^eq's ``key`` in C too);
+tests/test_native.py checks that both evict the same storages in the same order.
+
 Complexity per eviction round over n rows: O(n) vectorized, plus O(k log k) Python for the k
 rows examined and one ``key`` per row registered, lowered, unparked, unstashed or unprotected,
 plus O(protected rows) per round to re-check them: the few a plan holds, and what a long
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 from heapq import heappop, heappush
 from itertools import chain
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
@@ -95,10 +99,13 @@ class CandidateIndex:
 
     Args:
         heuristic: one that defines ``key`` (heuristics.py, Note [Keys]).
+        ordinary: the native twin of ``_ordinary`` (hotpath.c's ``ordinary``, which a driver
+            whose native path is on hands the runtime), or None for the Python one.
     """
 
-    def __init__(self, heuristic) -> None:
+    def __init__(self, heuristic, ordinary: Optional[Callable[["CandidateIndex"], Optional[Storage]]] = None) -> None:
         self._key = heuristic.key
+        self._native = ordinary
         self._staleness = bool(getattr(heuristic, "staleness", True))
         self._lowered = getattr(heuristic, "lowered", None)
         floor = getattr(heuristic, "floor", None)
@@ -185,6 +192,23 @@ class CandidateIndex:
         (Note [Eviction tiers]); None if there is no candidate. The caller evicts it before the
         next ``pick``."""
         self._picks += 1
+        s = self._ordinary() if self._native is None else self._native(self)
+        if s is not None:
+            return s
+        # A small storage stashed before it was protected stays in the stash: it counts as
+        # protected here.
+        flagged = [
+            (slot, t)
+            for slot, t in self._stashed.items()
+            if tier(t, self._small_below, self._protected_from) == PROTECTED
+        ]
+        s = self._best_of(chain(self._protected.items(), self._gradients.items(), flagged))
+        return s if s is not None else self._best_of(self._stashed.items())
+
+    def _ordinary(self) -> Optional[Storage]:
+        """The pick's candidate with the lowest score among the active rows (ORDINARY ones), or
+        None when no row is active. hotpath.c's ``ordinary`` mirrors it statement for
+        statement, with ``_examine``'s scoring of an ORDINARY row and h_DTR^eq's ``key``."""
         buf, checked, rows = self._buf, self._checked, self._rows
         while True:
             i = int(buf.argmin())
@@ -198,15 +222,7 @@ class CandidateIndex:
                     self._examine(slot)  # scored before this round's last eviction: re-score
                     continue
             elif lb == _INF:
-                # A small storage stashed before it was protected stays in the stash: it
-                # counts as protected here.
-                flagged = [
-                    (slot, t)
-                    for slot, t in self._stashed.items()
-                    if tier(t, self._small_below, self._protected_from) == PROTECTED
-                ]
-                s = self._best_of(chain(self._protected.items(), self._gradients.items(), flagged))
-                return s if s is not None else self._best_of(self._stashed.items())
+                return None
             buf[i] = _INF
             self._examine(i)
 

@@ -39,7 +39,7 @@ import threading
 import weakref
 from collections import deque
 from itertools import chain
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from dtr.core import collector, invariants, lineage
 from dtr.core.candidates import CandidateIndex
@@ -122,6 +122,9 @@ class Runtime:
         self._on_release = getattr(heuristic, "on_release", _noop)
         self._keyed = keyed(heuristic)
         self._index: Optional[CandidateIndex] = None  # made by the first eviction round
+        # The native twin of the index's search (``CandidateIndex``'s ``ordinary``), set by a
+        # driver whose native path is on before its first op.
+        self.native_ordinary: Optional[Callable] = None
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()
@@ -400,7 +403,7 @@ class Runtime:
         if host is None and self._keyed:
             search = self._index
             if search is None:
-                search = self._index = CandidateIndex(self.heuristic)
+                search = self._index = CandidateIndex(self.heuristic, self.native_ordinary)
         else:
             search = Rescoring(self._score, host)
         search.begin(self.resident, self.clock, self._small_below(), self._protected_from)

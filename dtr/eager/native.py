@@ -17,6 +17,7 @@ use, and ``WHY_NOT`` why not.
 
 from __future__ import annotations
 
+import heapq
 import os
 from time import perf_counter
 from types import MappingProxyType
@@ -24,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dtr.core import collector
+from dtr.core import candidates, collector
+from dtr.core.candidates import CandidateIndex
 from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
@@ -52,7 +54,9 @@ def _config() -> dict:
     return {
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "OpRecord": OpRecord, "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
-        "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict,
+        "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict, "dtreq_key": DTREq.key,
+        "heappush": heapq.heappush, "heappop": heapq.heappop, "TOL": candidates._TOL,
+        "F32_MAX": candidates._F32_MAX,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
@@ -75,7 +79,7 @@ def _load():
         from dtr_ext import _hotpath
     except ImportError as e:
         return None, f"dtr_ext._hotpath is not built ({e})"
-    if getattr(_hotpath, "ABI_VERSION", None) != 2:
+    if getattr(_hotpath, "ABI_VERSION", None) != 3:
         return None, "dtr_ext._hotpath is from another version of dtr: reinstall dtr"
     try:
         _hotpath.bind(_config())
@@ -90,3 +94,5 @@ run_simple: Optional[Callable[..., Any]] = _EXT.run_simple if _EXT is not None e
 registered: Callable[[], int] = _EXT.registered if _EXT is not None else (lambda: 0)
 """How many ops the native path has registered itself (not handed back) in this process."""
 dispatcher: Optional[Callable[[Any], Callable[..., Any]]] = _EXT.dispatcher if _EXT is not None else None
+ordinary: Optional[Callable[[CandidateIndex], Any]] = _EXT.ordinary if _EXT is not None else None
+"""``CandidateIndex._ordinary`` natively, for a runtime the native path drives."""
