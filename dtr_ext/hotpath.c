@@ -130,7 +130,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
-    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la;
+    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la, *A_argmin;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -663,6 +663,7 @@ typedef struct {
     long long now, base;
     int staleness, native_key;
     float *buf, *bound, *la;
+    PyObject *buf_array; /* ``_buf`` itself, borrowed from its buffer view */
     Py_ssize_t n;
 } Search;
 
@@ -785,7 +786,7 @@ static PyObject *ordinary(PyObject *module, PyObject *index) {
     }
     x.native_key = PyMethod_Check(x.key) && PyMethod_GET_FUNCTION(x.key) == O_dtreq_key;
     x.n = PyList_GET_SIZE(x.rows);
-    if ((x.buf = rows_of(index, A__buf, &views[0], x.n)) == NULL ||
+    if ((x.buf = rows_of(index, A__buf, &views[0], x.n)) == NULL || (x.buf_array = views[0].obj, 0) ||
         (x.bound = rows_of(index, A__bound, &views[1], x.n)) == NULL ||
         (x.la = rows_of(index, A__la, &views[2], x.n)) == NULL)
         goto done;
@@ -795,20 +796,15 @@ static PyObject *ordinary(PyObject *module, PyObject *index) {
     }
     float *buf = x.buf;
     for (;;) {
-        Py_ssize_t i = 0; /* buf.argmin(): the first NaN, else the first lowest */
-        float low = buf[0];
-        if (low == low)
-            for (Py_ssize_t j = 1; j < x.n; j++) {
-                float v = buf[j];
-                if (v != v) {
-                    i = j;
-                    break;
-                }
-                if (v < low) {
-                    low = v;
-                    i = j;
-                }
-            }
+        /* numpy's own argmin: vectorized, where a scalar loop over 10,000s of rows cost ~100 us */
+        PyObject *at = PyObject_CallMethodNoArgs(x.buf_array, A_argmin);
+        Py_ssize_t i = at ? PyNumber_AsSsize_t(at, PyExc_OverflowError) : -1;
+        Py_XDECREF(at);
+        if (i == -1 && PyErr_Occurred()) goto done;
+        if (i < 0 || i >= x.n) {
+            PyErr_SetString(PyExc_IndexError, "dtr_ext._hotpath.ordinary: argmin out of the rows");
+            goto done;
+        }
         double lb = (double)buf[i];
         if (PyList_GET_SIZE(x.checked)) {
             PyObject *top = PyList_GET_ITEM(x.checked, 0);
@@ -2664,7 +2660,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
     INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
-    INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la);
+    INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(argmin);
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
