@@ -12,7 +12,8 @@
  *
  * A simple op (``run_simple``, also callable from Python) is what ``Driver._run`` does: scan the
  * arguments (inputs, constants, the replay template and its slots), lock the inputs, make room
- * for the output near the budget (``Driver._make_room`` and ``output_size.correct``, in Python),
+ * for the output near the budget (``Driver._make_room``: the size from output_size's cache and
+ * Runtime.reserve's test natively; a miss, eviction and ``output_size.correct`` in Python),
  * run and time the kernel, make the ``Call`` record and the output's ``Storage``, register them as
  * ``Runtime.complete`` and ``outputs.wire`` do, unlock the inputs, and wrap the output as
  * ``tensor.make_wrapper`` and ``Runtime.track`` do. Where the Python path must run the op
@@ -68,7 +69,8 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
     *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
-    *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX,
+    *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX, *O_make_room, *O_output_bytes,
+    *O_output_size, *S_nan,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
@@ -130,7 +132,8 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
-    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la, *A_argmin;
+    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
+    *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1593,6 +1596,153 @@ static PyObject *several_outputs(PyObject *driver, PyObject *rt, PyObject *facts
                                  PyObject *out, PyObject *seconds, Scanned *sc, PyObject *grad,
                                  PyObject *args, PyObject *kwargs, Py_ssize_t several);
 
+/* ------------------------------------------------------------------------------------------ */
+/* Room before an op (Driver._make_room, over output_size.output_bytes's cache lookup and
+ * Runtime.reserve's test); a miss of the cache, an argument that cannot be hashed and eviction
+ * itself stay Python. */
+
+/* output_size._signature(a): a new reference, or NULL. */
+static PyObject *signature(PyObject *a) {
+    if (PyObject_TypeCheck(a, T_Tensor)) {
+        PyObject *shape = PyObject_GetAttr(a, A_shape);
+        PyObject *dtype = shape ? PyObject_GetAttr(a, A_dtype) : NULL;
+        PyObject *layout = dtype ? PyObject_GetAttr(a, A_layout) : NULL;
+        PyObject *sig = layout ? PyTuple_Pack(3, shape, dtype, layout) : NULL;
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_XDECREF(layout);
+        return sig;
+    }
+    PyTypeObject *t = Py_TYPE(a);
+    if (t == &PyList_Type || t == &PyTuple_Type) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+        PyObject *sig = PyTuple_New(n);
+        if (sig == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *b = signature(PySequence_Fast_GET_ITEM(a, i));
+            if (b == NULL) {
+                Py_DECREF(sig);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(sig, i, b);
+        }
+        return sig;
+    }
+    if (t == &PyFloat_Type || t == &PyLong_Type || t == &PyBool_Type) {
+        /* 1, 1.0 and True are equal keys, but give outputs of other dtypes; NaN equals nothing. */
+        int nan = t == &PyFloat_Type && isnan(PyFloat_AS_DOUBLE(a));
+        return PyTuple_Pack(2, (PyObject *)t, nan ? S_nan : a);
+    }
+    return Py_NewRef(a);
+}
+
+/* output_size.output_bytes(func, args, kwargs) where its cache answers: (key or None, bytes) in
+ * ``*key`` (new) and ``*nbytes``; 1 when it answered, 0 for a miss or an argument that cannot
+ * be hashed (the caller asks Python), -1 on error. */
+static int cached_size(PyObject *func, PyObject *args, PyObject *kwargs, PyObject **key, long long *nbytes) {
+    *key = NULL;
+    int has_kw = PyObject_IsTrue(kwargs);
+    if (has_kw < 0) return -1;
+    PyObject *kwsig = Py_NewRef(Py_None);
+    if (has_kw) {
+        PyObject *items = PyMapping_Items(kwargs);
+        PyObject *tup = items ? PySequence_Tuple(items) : NULL;
+        Py_XDECREF(items);
+        Py_SETREF(kwsig, tup ? signature(tup) : NULL);
+        Py_XDECREF(tup);
+        if (kwsig == NULL) return -1;
+    }
+    PyObject *argsig = signature(args);
+    PyObject *k = argsig ? PyTuple_Pack(3, func, argsig, kwsig) : NULL;
+    Py_XDECREF(argsig);
+    Py_DECREF(kwsig);
+    PyObject *sizes = k ? PyObject_GetAttr(O_output_size, A__SIZES) : NULL;
+    PyObject *settled = sizes ? PyObject_GetAttr(O_output_size, A__SETTLED) : NULL;
+    int r = -1;
+    if (settled == NULL) goto done;
+    if (!PyDict_CheckExact(sizes) || !PySet_Check(settled)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: output_size's cache must be a dict and a set");
+        goto done;
+    }
+    PyObject *n = PyDict_GetItemWithError(sizes, k);
+    if (n == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto done;
+            PyErr_Clear(); /* an argument that cannot be hashed: Python's lookup says what to do */
+        }
+        r = 0;
+        goto done;
+    }
+    *nbytes = PyLong_AsLongLong(n);
+    if (*nbytes == -1 && PyErr_Occurred()) goto done;
+    int in = PySet_Contains(settled, k);
+    if (in < 0) goto done;
+    *key = in ? Py_NewRef(Py_None) : Py_NewRef(k);
+    r = 1;
+done:
+    Py_XDECREF(k);
+    Py_XDECREF(sizes);
+    Py_XDECREF(settled);
+    return r;
+}
+
+/* Driver._make_room(facts, func, args, kwargs): the size's key (a new reference), or NULL. A
+ * ``_make_room`` replaced on the class or the driver (a benchmark timing it) is called. */
+static PyObject *make_room(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func, PyObject *args,
+                           PyObject *kwargs) {
+    PyObject *hook = PyObject_GetAttr(driver, A__make_room);
+    if (hook == NULL) return NULL;
+    if (O_make_room == NULL || !PyMethod_Check(hook) || PyMethod_GET_FUNCTION(hook) != O_make_room) {
+        PyObject *key = PyObject_CallFunctionObjArgs(hook, facts, func, args, kwargs, NULL);
+        Py_DECREF(hook);
+        return key;
+    }
+    Py_DECREF(hook);
+    PyObject *key;
+    long long nbytes;
+    int r = cached_size(func, args, kwargs, &key, &nbytes);
+    if (r < 0) return NULL;
+    if (r == 0) { /* key, nbytes = output_size.output_bytes(func, args, kwargs) */
+        PyObject *pair = PyObject_CallFunctionObjArgs(O_output_bytes, func, args, kwargs, NULL);
+        if (pair == NULL) return NULL;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath: output_bytes must return a pair");
+            return NULL;
+        }
+        key = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
+        nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+        if (nbytes == -1 && PyErr_Occurred()) {
+            Py_DECREF(key);
+            return NULL;
+        }
+    }
+    if (nbytes) { /* self.rt.reserve(nbytes, facts.name), past its test */
+        long long memory, budget;
+        PyObject *b = PyObject_GetAttr(rt, A_budget);
+        int over = b == NULL ? -1 : 0;
+        if (b != NULL && b != Py_None) {
+            budget = PyLong_AsLongLong(b);
+            over = (budget == -1 && PyErr_Occurred()) || attr_ll(rt, A_memory, &memory) < 0 ? -1
+                                                                                         : memory + nbytes > budget;
+        }
+        Py_XDECREF(b);
+        if (over > 0) {
+            PyObject *n = PyLong_FromLongLong(nbytes);
+            PyObject *done = n ? PyObject_CallMethodObjArgs(rt, A_reserve, n, SLOT(facts, F_name), NULL) : NULL;
+            Py_XDECREF(n);
+            if (done == NULL) over = -1;
+            Py_XDECREF(done);
+        }
+        if (over < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+    }
+    return key;
+}
+
 /* Driver._run for a simple op, or one of ``facts.several``, called with ``kwargs`` (NULL for
  * none): a new reference, or FALLBACK having changed nothing but resolved wrappers and hooked
  * parameters (header). */
@@ -1629,7 +1779,7 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     if (lock_defined(inputs) < 0) goto error;
     locked = 1;
     if (room) { /* Driver._make_room: the size's key, to correct by what the op makes */
-        sized = PyObject_CallMethodObjArgs(driver, A__make_room, facts, func, vals, KW(sc), NULL);
+        sized = make_room(driver, rt, facts, func, vals, KW(sc));
         if (sized == NULL) goto error;
     }
     double t0, t1;
@@ -2520,6 +2670,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(DTREq);
     GET(dtreq_on_evict);
     GET(dtreq_key);
+    GET(output_bytes);
+    GET(output_size);
     GET(heappush);
     GET(heappop);
     GET(TOL);
@@ -2612,7 +2764,32 @@ static PyObject *dtreq_key_py(PyObject *module, PyObject *s) {
     return dtreq_key(s);
 }
 
+static PyObject *cached_size_py(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (!bound || argc != 3) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.cached_size(func, args, kwargs), after bind()");
+        return NULL;
+    }
+    PyObject *key;
+    long long nbytes;
+    int r = cached_size(argv[0], argv[1], argv[2], &key, &nbytes);
+    if (r <= 0) return r < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *n = PyLong_FromLongLong(nbytes);
+    PyObject *pair = n ? PyTuple_Pack(2, key, n) : NULL;
+    Py_DECREF(key);
+    Py_XDECREF(n);
+    return pair;
+}
+
+static PyObject *bind_make_room(PyObject *module, PyObject *fn) {
+    Py_XSETREF(O_make_room, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"cached_size", (PyCFunction)(void (*)(void))cached_size_py, METH_FASTCALL,
+     "cached_size(func, args, kwargs): output_size.output_bytes where its cache answers, else None (for tests)."},
+    {"bind_make_room", bind_make_room, METH_O,
+     "bind_make_room(fn): Driver._make_room, which the native path runs natively while a driver's is it."},
     {"dtreq_key", dtreq_key_py, METH_O, "dtreq_key(s): DTREq.key(s), as the native search computes it (for tests)."},
     {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
@@ -2660,7 +2837,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
     INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
-    INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(argmin);
+    INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
+    INTERN(reserve); INTERN(argmin);
+    if ((S_nan = PyUnicode_InternFromString("nan")) == NULL) return NULL;
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

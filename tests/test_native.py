@@ -880,3 +880,38 @@ def test_the_native_key_is_h_dtr_eq_s_next_to_many_evicted_sets():
         for s in storages:
             assert _hotpath.dtreq_key(s) == rt.heuristic.key(s), s
     del products
+
+
+@needs_native
+def test_the_native_size_lookup_builds_python_s_keys(monkeypatch):
+    """Near the budget the native path looks an op's output size up itself (``make_room`` in
+    hotpath.c): under the key ``output_size.output_bytes`` builds, for tensors, lists of them,
+    numbers of each type (NaN too), other constants and keyword arguments; a miss (None) is left
+    to Python, and a settled entry gives no key."""
+    from dtr_ext import _hotpath
+    from dtr.eager import output_size
+
+    for name in ("_SIZES", "_SETTLED", "_UNSIZED"):  # the process's own entries stay as they are
+        monkeypatch.setattr(output_size, name, type(getattr(output_size, name))())
+    aten = torch.ops.aten
+    x, y = torch.randn(3, 4), torch.randn(4, 5)
+    cases = [
+        (aten.mm.default, [x, y], {}),
+        (aten.cat.default, [[x, x, x], 0], {}),
+        (aten.full.default, [(1000,), 1.0], {}),
+        (aten.full.default, [(1000,), 1], {}),
+        (aten.full.default, [(1000,), True], {}),
+        (aten.full.default, [(10,), float("nan")], {}),
+        (aten.sum.dim_IntList, [x, [1]], {"dtype": torch.float64}),
+        (aten.add.Tensor, (x, x), {"alpha": 2}),
+        (aten.new_empty.default, [x, [7]], {"dtype": None}),
+    ]
+    for func, args, kwargs in cases:
+        assert _hotpath.cached_size(func, args, kwargs) is None  # a miss: Python sizes it on meta
+        want = output_size.output_bytes(func, args, kwargs)
+        assert want[0] is not None and want[1] > 0
+        assert _hotpath.cached_size(func, args, kwargs) == want
+    func, args, kwargs = cases[0]
+    key, _ = output_size.output_bytes(func, args, kwargs)
+    output_size.correct(key, func(*args), args, kwargs)
+    assert _hotpath.cached_size(func, args, kwargs) == (None, 3 * 5 * 4)

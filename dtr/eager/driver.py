@@ -599,3 +599,5 @@ def _wrapped(v, rt, cell):
     """A wrapper for an output with a cell; anything else (plain outputs, None) as it is."""
     return v if cell is None else make_wrapper(v, rt, cell)
 
+
+native.bind_driver(Driver)  # native.py binds before this module defines Driver

@@ -38,7 +38,7 @@ from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor
 
-__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "dispatcher", "registered", "run_simple"]
+__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "bind_driver", "dispatcher", "ordinary", "registered", "run_simple"]
 
 FALLBACK = object()
 """What ``run_simple`` returns when the Python path must run the op."""
@@ -61,7 +61,8 @@ def _config() -> dict:
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
         "perf_counter": perf_counter, "estimate_seconds": estimate_seconds,
-        "correct_size": output_size.correct,
+        "correct_size": output_size.correct, "output_bytes": output_size.output_bytes,
+        "output_size": output_size,
         "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
         "untrack_gc": collector.NATIVE, "FACTS": FACTS, "facts_for": facts_for,
         "current_node": getattr(torch._C, "_current_autograd_node", lambda: None),
@@ -94,5 +95,14 @@ run_simple: Optional[Callable[..., Any]] = _EXT.run_simple if _EXT is not None e
 registered: Callable[[], int] = _EXT.registered if _EXT is not None else (lambda: 0)
 """How many ops the native path has registered itself (not handed back) in this process."""
 dispatcher: Optional[Callable[[Any], Callable[..., Any]]] = _EXT.dispatcher if _EXT is not None else None
+
+
+def bind_driver(driver_class: type) -> None:
+    """Tell the native path ``driver_class._make_room``, which it runs natively for as long as
+    a driver's ``_make_room`` is that function (driver.py calls it once ``Driver`` exists)."""
+    if _EXT is not None:
+        _EXT.bind_make_room(driver_class._make_room)
+
+
 ordinary: Optional[Callable[[CandidateIndex], Any]] = _EXT.ordinary if _EXT is not None else None
 """``CandidateIndex._ordinary`` natively, for a runtime the native path drives."""
