@@ -38,14 +38,16 @@ _ident = threading.get_ident
 _modules = sys.modules
 
 
-def _always() -> object:
-    return True  # no way to ask on this torch: every op takes the guard
+def _always() -> bool:
+    return True
 
 
 # This thread's frame-evaluation callback: None unless dynamo is compiling or running compiled
 # code on this thread; dynamo reads ``_compiling()`` as True where it traces (Note [Dynamo guard]).
-_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", _always)
-_compiling = torch.compiler.is_compiling
+_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+_compiling = getattr(torch.compiler, "is_compiling", None)
+if _frame_callback is None or _compiling is None:  # no way to ask on this torch: always guarded
+    _compiling = _always
 
 
 class DTRMode(TorchDispatchMode):
