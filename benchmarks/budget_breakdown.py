@@ -19,6 +19,8 @@ steps timed as they are, then ``--repeats`` steps with the phases timed in place
   (``derive``), timed around those calls;
 - ``eviction rounds``: ``Runtime._evict_to``, the candidate search and the evictions;
 - ``room before ops``: ``Driver._make_room``, sizing an op's outputs and evicting for them.
+  Replacing it sends the native path's sizing (hotpath.c's ``make_room``) to it too, so this
+  phase times the Python sizing; the uninstrumented step times the native one.
 
 Phases nest (a materialization replays and evicts; the Python path materializes), so the
 rows do not add up; ``machinery`` is the budgeted step less the unlimited one less the

@@ -267,9 +267,8 @@ def translate(cell: Union[Storage, Cell]) -> None:
     ~~~~~~~~~~~~~~~~~~~~~~~~~~
     Views that one op made together (the three gates ``unsafe_split`` cuts from a GRU cell's
     ``addmm``) get counterparts that share one record, as the originals do: replaying it for
-    one defines every sibling still alive. With a record each, the split was replayed once per
-    gate: the ``GRUCell`` loop of ``benchmarks/budget_breakdown.py`` at half its peak made
-    about 2,970 replays a step then, and about 2,650 now (docs/runtime.md).
+    one defines every sibling still alive. With a record each, the split would be replayed once
+    per gate (docs/runtime.md counts the replays this saves on the ``GRUCell`` loop).
     """
     s2 = cell.storage.forward
     chain = []
