@@ -35,10 +35,14 @@
  * (``CandidateIndex._ordinary``): the argmin over the rows' bounds, the heap of scored rows, and
  * ``_examine``'s scoring of an ORDINARY row, with h_DTR^eq's ``key`` in C when the index's key
  * is ``DTREq.key`` (another heuristic's key is called in Python); a row of any other case goes
- * to ``_examine`` in Python. A runtime driven by the native path gets it (``Driver._bind_native``).
+ * to ``_examine`` in Python. ``release(runtime, storage)`` is ``lineage.release``, which this file
+ * also runs for wrapper deaths and unlocks: with h_DTR^eq's ``on_release`` in C while its
+ * candidate index is not listening, and ``Constants.forget`` and ``use`` in C where every
+ * constant keeps a use (a constant's first or last use goes to Python, which also tracks its
+ * addresses). A runtime driven by the native path gets both (``Driver._bind_native``).
  *
  * The Python code stays the definition: this file mirrors it statement for statement, calls the
- * heuristic's hooks, ``lineage.release`` and the rarer branches in Python, and works on the
+ * heuristic's other hooks and the rarer branches in Python, and works on the
  * Python classes themselves (``Storage``, ``Call``, ``Ref``, ``DTRTensor`` with ``__slots__``):
  * ``bind`` reads each slot's offset from the class's member descriptor, and refuses classes
  * whose slots are not exactly those this file fills, so that a field added in Python without
@@ -69,6 +73,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
     *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
+    *O_dtreq_on_release, *O_constants_forget, *O_constants_use,
     *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX, *O_make_room, *O_output_bytes,
     *O_output_size, *S_nan,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
@@ -77,6 +82,7 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation,
     *O_carry_views;
 static PyObject *EMPTY; /* () */
+static PyObject *ONE;   /* 1 */
 static int untrack_gc; /* the collector module is native: untrack as it does */
 static int bound;
 static unsigned long long registered; /* ops registered natively, for tests */
@@ -133,7 +139,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
     *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
-    *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin;
+    *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -307,6 +313,68 @@ static int scan(PyObject *items, PyObject *template, PyObject *values, PyObject 
 
 static int drop_values(PyObject *rt, PyObject *s);
 
+/* Constants.forget's counting for a Call's ``consts`` where each constant keeps a use after it:
+ * 1 when done (the uses counted down), 0 when one would lose its last use (nothing changed: the
+ * Python method also forgets its addresses), -1 on an error. */
+static int forget_kept(PyObject *constants, PyObject *consts) {
+    if (!PyTuple_Check(consts)) return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(consts);
+    if (n == 0) return 1;
+    PyObject *uses = PyObject_GetAttr(constants, A_uses);
+    if (uses == NULL) return -1;
+    int r = PyDict_Check(uses);
+    for (Py_ssize_t i = 0; r == 1 && i < n; i += 3) { /* each keeps a use: more than it loses here */
+        PyObject *k = PyTuple_GET_ITEM(consts, i);
+        long long lost = 0;
+        for (Py_ssize_t j = 0; j < n; j += 3) lost += PyObject_RichCompareBool(PyTuple_GET_ITEM(consts, j), k, Py_EQ) == 1;
+        PyObject *m = PyDict_GetItemWithError(uses, k);
+        long long have = m ? PyLong_AsLongLong(m) : 0;
+        if (PyErr_Occurred()) r = -1;
+        else if (have <= lost) r = 0;
+    }
+    for (Py_ssize_t i = 0; r == 1 && i < n; i += 3) {
+        PyObject *k = PyTuple_GET_ITEM(consts, i);
+        PyObject *m = PyNumber_Subtract(PyDict_GetItem(uses, k), ONE);
+        if (m == NULL || PyDict_SetItem(uses, k, m) < 0) r = -1;
+        Py_XDECREF(m);
+    }
+    Py_DECREF(uses);
+    return r;
+}
+
+/* rt.executor.forget(rec). The driver's is Constants.forget: a record whose constants all keep a
+ * use is done here (``forget_kept``); other records go to Python. */
+static int forget(PyObject *rt, PyObject *rec) {
+    PyObject *executor = PyObject_GetAttr(rt, A_executor);
+    PyObject *fn = executor ? PyObject_GetAttr(executor, A_forget) : NULL;
+    Py_XDECREF(executor);
+    if (fn == NULL) return -1;
+    if (PyMethod_Check(fn) && PyMethod_GET_FUNCTION(fn) == O_constants_forget) {
+        if (!Py_IS_TYPE(rec, T_Call)) {
+            Py_DECREF(fn);
+            return 0;
+        }
+        int done = forget_kept(PyMethod_GET_SELF(fn), SLOT(rec, K_off[K_consts]));
+        if (done < 0) {
+            Py_DECREF(fn);
+            return -1;
+        }
+        if (done) {
+            Py_DECREF(fn);
+            set_slot(rec, K_off[K_args], EMPTY);
+            set_slot(rec, K_off[K_consts], EMPTY);
+            set_slot(rec, K_off[K_kwargs], Py_None);
+            set_slot(rec, K_off[K_rng], Py_None);
+            return 0;
+        }
+    }
+    PyObject *r = PyObject_CallOneArg(fn, rec);
+    Py_DECREF(fn);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* lineage._lose_output(rt, rec, work): one of ``rec``'s output storages no longer names it. */
 static int lose_output(PyObject *rt, PyObject *rec, PyObject *work) {
     if (add_slot(rec, K_off[K_live], -1) < 0) return -1;
@@ -326,15 +394,44 @@ static int lose_output(PyObject *rt, PyObject *rec, PyObject *work) {
     }
     Py_DECREF(ins);
     set_slot(rec, K_off[K_use_storages], EMPTY);
-    PyObject *executor = PyObject_GetAttr(rt, A_executor);
-    PyObject *r = executor ? PyObject_CallMethodOneArg(executor, A_forget, rec) : NULL;
-    Py_XDECREF(executor);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
+    return forget(rt, rec);
 fail:
     Py_DECREF(ins);
     return -1;
+}
+
+static PyObject *uf_find(PyObject *node);
+
+/* rt._on_release(s). h_DTR^eq's (a DTREq itself, its candidate index not listening: ``_log`` is
+ * None) is DTREq._leave, done here; other hooks are called. */
+static int on_release(PyObject *rt, PyObject *s) {
+    PyObject *hook = PyObject_GetAttr(rt, A__on_release);
+    if (hook == NULL) return -1;
+    if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_release &&
+        Py_TYPE(PyMethod_GET_SELF(hook)) == T_DTREq) {
+        PyObject *log = PyObject_GetAttr(PyMethod_GET_SELF(hook), A__log);
+        if (log == NULL) {
+            Py_DECREF(hook);
+            return -1;
+        }
+        Py_DECREF(log);
+        if (log == Py_None) {
+            Py_DECREF(hook);
+            PyObject *h = SLOT(s, S_off[S_hdata]);
+            if (h == Py_None) return 0;
+            PyObject *root = uf_find(h); /* find(s.hdata).cost -= s.cost */
+            if (root == NULL) return -1;
+            if (steal_slot(root, U_off[U_cost], PyNumber_Subtract(SLOT(root, U_off[U_cost]), SLOT(s, S_off[S_cost]))) < 0)
+                return -1;
+            set_slot(s, S_off[S_hdata], Py_None);
+            return 0;
+        }
+    }
+    PyObject *done = PyObject_CallOneArg(hook, s);
+    Py_DECREF(hook);
+    if (done == NULL) return -1;
+    Py_DECREF(done);
+    return 0;
 }
 
 /* The body of lineage.release's loop for one storage ``s`` that may be released. */
@@ -371,16 +468,13 @@ static int release_one(PyObject *rt, PyObject *s, PyObject *work) {
     if (untrack != Py_None && untrack_gc && !PyObject_GC_IsTracked(s)) PyObject_GC_Track(s);
     Py_DECREF(untrack);
     PyObject *rec = Py_NewRef(SLOT(s, S_off[S_parent]));
-    PyObject *hook = PyObject_GetAttr(rt, A__on_release); /* may read s.parent */
-    PyObject *done = hook ? PyObject_CallOneArg(hook, s) : NULL;
-    Py_XDECREF(hook);
+    int done = on_release(rt, s); /* may read s.parent */
     /* Its parent lists it as an output: the cycle is broken also if the heuristic raised. */
     set_slot(s, S_off[S_parent], Py_None);
-    if (done == NULL) {
+    if (done < 0) {
         Py_DECREF(rec);
         return -1;
     }
-    Py_DECREF(done);
     if (drop_values(rt, s) < 0) {
         Py_DECREF(rec);
         return -1;
@@ -1578,11 +1672,75 @@ static int sort_output(PyObject *o, PyObject *inputs, PyObject *consts, long lon
     return *nbytes == -1 && PyErr_Occurred() ? -1 : 1;
 }
 
-/* ``call.consts = driver._use_constants(consts)``, untracked (Note [Untracked records]). */
+/* Constants.use(consts) where every constant is in its ``uses`` already: a new reference to the
+ * tuple it returns, NULL on an error, or Py_None (a new reference) for a constant it has not
+ * seen, which the Python method registers (nothing is changed here then). */
+static PyObject *use_known(PyObject *constants, PyObject *consts) {
+    PyObject *uses = PyObject_GetAttr(constants, A_uses);
+    if (uses == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(consts);
+    PyObject *info = PyTuple_New(3 * n);
+    if (info == NULL || !PyDict_Check(uses)) {
+        if (info) PyErr_SetString(PyExc_TypeError, "Constants.uses is not a dict");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* k = id(t if t._base is None else t._base) */
+        PyObject *t = PyList_GET_ITEM(consts, i);
+        PyObject *b = PyObject_GetAttr(t, A__base);
+        if (b == NULL) goto fail;
+        PyObject *k = PyLong_FromVoidPtr(b == Py_None ? t : b);
+        Py_DECREF(b);
+        if (k == NULL) goto fail;
+        PyTuple_SET_ITEM(info, 3 * i, k);
+        PyObject *known = PyDict_GetItemWithError(uses, k);
+        if (known == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            Py_DECREF(info);
+            Py_DECREF(uses);
+            Py_RETURN_NONE;
+        }
+        PyObject *version = PyObject_GetAttr(t, A__version);
+        if (version == NULL) goto fail;
+        PyTuple_SET_ITEM(info, 3 * i + 1, Py_NewRef(t));
+        PyTuple_SET_ITEM(info, 3 * i + 2, version);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* uses[k] += 1, once all are known */
+        PyObject *k = PyTuple_GET_ITEM(info, 3 * i);
+        PyObject *m = PyNumber_Add(PyDict_GetItem(uses, k), ONE);
+        if (m == NULL || PyDict_SetItem(uses, k, m) < 0) {
+            Py_XDECREF(m);
+            goto fail;
+        }
+        Py_DECREF(m);
+    }
+    Py_DECREF(uses);
+    return info;
+fail:
+    Py_XDECREF(info);
+    Py_DECREF(uses);
+    return NULL;
+}
+
+/* ``call.consts = driver._use_constants(consts)``, untracked (Note [Untracked records]). The
+ * driver's is Constants.use: constants it has seen are counted here (``use_known``). */
 static int use_constants(PyObject *driver, PyObject *call, PyObject *consts) {
     PyObject *use = PyObject_GetAttr(driver, A__use_constants);
-    PyObject *info = use ? PyObject_CallOneArg(use, consts) : NULL;
-    Py_XDECREF(use);
+    if (use == NULL) return -1;
+    PyObject *info = Py_None;
+    if (PyMethod_Check(use) && PyMethod_GET_FUNCTION(use) == O_constants_use) {
+        info = use_known(PyMethod_GET_SELF(use), consts);
+        if (info == NULL) {
+            Py_DECREF(use);
+            return -1;
+        }
+    } else {
+        Py_INCREF(info);
+    }
+    if (info == Py_None) {
+        Py_DECREF(info);
+        info = PyObject_CallOneArg(use, consts);
+    }
+    Py_DECREF(use);
     if (info == NULL) return -1;
     steal_slot(call, K_off[K_consts], info);
     if (untrack_gc) {
@@ -2669,6 +2827,9 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET_TYPE(UFNode);
     GET_TYPE(DTREq);
     GET(dtreq_on_evict);
+    GET(dtreq_on_release);
+    GET(constants_forget);
+    GET(constants_use);
     GET(dtreq_key);
     GET(output_bytes);
     GET(output_size);
@@ -2756,6 +2917,15 @@ static PyObject *dense_py(PyObject *module, PyObject *t) {
     return PyBool_FromLong(d);
 }
 
+static PyObject *release_py(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (!bound || argc != 2 || !Py_IS_TYPE(argv[1], T_Storage)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.release(runtime, storage), after bind()");
+        return NULL;
+    }
+    if (release(argv[0], argv[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *dtreq_key_py(PyObject *module, PyObject *s) {
     if (!bound || !Py_IS_TYPE(s, T_Storage)) {
         PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.dtreq_key: a Storage, after bind()");
@@ -2790,6 +2960,8 @@ static PyMethodDef methods[] = {
      "cached_size(func, args, kwargs): output_size.output_bytes where its cache answers, else None (for tests)."},
     {"bind_make_room", bind_make_room, METH_O,
      "bind_make_room(fn): Driver._make_room, which the native path runs natively while a driver's is it."},
+    {"release", (PyCFunction)(void (*)(void))release_py, METH_FASTCALL,
+     "release(runtime, storage): lineage.release, for a runtime the native path drives."},
     {"dtreq_key", dtreq_key_py, METH_O, "dtreq_key(s): DTREq.key(s), as the native search computes it (for tests)."},
     {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
@@ -2838,9 +3010,10 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
     INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
-    INTERN(reserve); INTERN(argmin);
+    INTERN(reserve); INTERN(argmin); INTERN(_log); INTERN(uses); INTERN(_version);
     if ((S_nan = PyUnicode_InternFromString("nan")) == NULL) return NULL;
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
+    if ((ONE = PyLong_FromLong(1)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
         Py_DECREF(m);

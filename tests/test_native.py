@@ -601,6 +601,78 @@ def test_both_paths_sum_gradients_alike(fraction, exclusive, monkeypatch):
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got[1], want[1], kept))
 
 
+def _constant_uses(table, model, batch):
+    """A constant table's uses (``Constants.uses``), keyed by what each constant is."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    names.update((id(t), f"batch {i}") for i, t in enumerate(batch if isinstance(batch, (list, tuple)) else [batch]))
+    return sorted((names.get(k, "other"), n) for k, n in table.uses.items()), len(table.memory), len(table.addresses)
+
+
+def _release_step(name, fraction, python):
+    """A step of zoo model ``name`` at ``fraction`` of its peak (None: no budget), with the graph
+    and the constant table after its backward pass, the constant table after the block's exit,
+    and the gradients."""
+    w = zoo.build(name, "tiny")
+    model = fresh_model(w)
+    with _python_path() if python else contextlib.nullcontext():
+        limit = None
+        if fraction is not None:
+            limit = budget_at(run_step(w, fresh_model(w), None, cost="estimate").stats, fraction)
+        torch.manual_seed(0)
+        with dtr.budget(limit, cost="estimate") as engine:
+            table = engine._driver.constants
+            w.loss_fn(model, w.batch).backward()
+            before = _graph(engine.runtime), _constant_uses(table, model, w.batch)
+        after = _constant_uses(table, model, w.batch), engine.stats()
+    return before, after, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["lstmcell", "treelstm", "transformer"])
+@pytest.mark.parametrize("fraction", [None, 0.5])
+@needs_native
+def test_both_paths_release_alike(name, fraction):
+    """What a release changes (the runtime's books, h_DTR^eq's sets of evicted storages, the
+    constants' uses) is the same on both paths, where it runs from C: in the backward pass, as
+    wrapper deaths and gradient sums release, and at the block's exit, where the lineage the
+    program kept goes. With no budget, the sets are the eager evictions' and the candidate index
+    is not listening (hotpath.c lowers the set costs itself); under one it is."""
+    got = _release_step(name, fraction, python=False)
+    want = _release_step(name, fraction, python=True)
+    assert got[0] == want[0]
+    assert any(type(row[-1]) is tuple for row in got[0][0][:-6])  # union-find sets were kept
+    assert got[0][1][0]  # records that read constants were alive
+    assert got[1] == want[1]
+    assert got[1][0] == ([], 0, 0)  # every use was forgotten at the exit
+    for g, w in zip(got[2], want[2]):
+        assert torch.equal(g, w)
+
+
+@needs_native
+def test_both_paths_count_a_constant_that_one_op_reads_twice():
+    """A record reading one constant twice holds two of its uses and gives both back when it is
+    forgotten: in C while the constant keeps a use after that, in Python when it loses its last
+    (the table then forgets the constant)."""
+    x = torch.randn(4, 4)
+
+    def run(python):
+        with _python_path() if python else contextlib.nullcontext():
+            with dtr.budget(None) as engine:
+                uses = engine._driver.constants.uses
+                w = x + 1
+                y = x * x
+                z = y * 2
+                seen = [list(uses.values())]
+                del w  # w's record is forgotten: x keeps y's two uses
+                torch.zeros(1)  # an op: the wrappers' deaths are applied at the next one
+                seen.append(list(uses.values()))
+                del y, z  # and y's, x's last two
+                torch.zeros(1)
+                seen.append(list(uses.values()))
+        return seen
+
+    assert run(python=False) == run(python=True) == [[3], [2], []]
+
+
 def _run(program, seed, limit, python, observed):
     """``run_dtr`` on one path: its outcome (None if out of budget), evictions and error."""
     with _python_path() if python else contextlib.nullcontext(), _evictions(observed) as evicted:

@@ -23,7 +23,11 @@ __all__ = ["before_write", "cut", "extract", "flush", "make_permanent", "release
 
 
 def release(rt: Runtime, s: Storage) -> None:
-    """Drop ``s`` from the graph, then whatever only it kept alive (iteratively)."""
+    """Drop ``s`` from the graph, then whatever only it kept alive (iteratively). A runtime
+    that the native path drives runs hotpath.c's twin (``Runtime.native_release``)."""
+    if rt.native_release is not None:
+        rt.native_release(rt, s)
+        return
     work = [s]
     while work:
         s = work.pop()

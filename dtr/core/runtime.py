@@ -122,9 +122,10 @@ class Runtime:
         self._on_release = getattr(heuristic, "on_release", _noop)
         self._keyed = keyed(heuristic)
         self._index: Optional[CandidateIndex] = None  # made by the first eviction round
-        # The native twin of the index's search (``CandidateIndex``'s ``ordinary``), set by a
-        # driver whose native path is on before its first op.
+        # The native twins of the index's search (``CandidateIndex``'s ``ordinary``) and of
+        # ``lineage.release``, set by a driver whose native path is on before its first op.
         self.native_ordinary: Optional[Callable] = None
+        self.native_release: Optional[Callable] = None
         self.executor = executor
         self._views_alias_data = bool(getattr(executor, "views_alias_data", False))
         self.lock = threading.RLock()

@@ -136,12 +136,13 @@ class Driver(Views, Gradients, HostCopies):
 
     def _bind_native(self) -> None:
         """The native simple op (native.py), for the runtime it mirrors: not a trace recorder's
-        (a subclass), not with a host tier or constants counted; and the native search of the
-        runtime's candidate index with it."""
+        (a subclass), not with a host tier or constants counted; and with it the native search
+        of the runtime's candidate index and its native ``lineage.release``."""
         if type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None:
             self.native = native.run_simple
             if self.native is not None:
                 self.rt.native_ordinary = native.ordinary
+                self.rt.native_release = native.release
             if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
                 self.dispatch = native.dispatcher(self)
 

@@ -33,12 +33,14 @@ from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
 from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage, carry_views
 from dtr.eager import accumulation, output_size
+from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.ops import FACTS, Kind, OpFacts, facts_for
 from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor
 
-__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "bind_driver", "dispatcher", "ordinary", "registered", "run_simple"]
+__all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "bind_driver", "dispatcher", "ordinary", "registered", "release",
+           "run_simple"]
 
 FALLBACK = object()
 """What ``run_simple`` returns when the Python path must run the op."""
@@ -55,6 +57,8 @@ def _config() -> dict:
         "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "OpRecord": OpRecord, "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
         "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict, "dtreq_key": DTREq.key,
+        "dtreq_on_release": DTREq.on_release, "constants_forget": Constants.forget,
+        "constants_use": Constants.use,
         "heappush": heapq.heappush, "heappop": heapq.heappop, "TOL": candidates._TOL,
         "F32_MAX": candidates._F32_MAX,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
@@ -106,3 +110,5 @@ def bind_driver(driver_class: type) -> None:
 
 ordinary: Optional[Callable[[CandidateIndex], Any]] = _EXT.ordinary if _EXT is not None else None
 """``CandidateIndex._ordinary`` natively, for a runtime the native path drives."""
+release: Optional[Callable[[Any, Storage], None]] = _EXT.release if _EXT is not None else None
+"""``lineage.release`` natively, for a runtime the native path drives."""
