@@ -27,7 +27,8 @@
  * ``several_outputs`` registers its new strided tensors in one ``Call`` and hands back None
  * and empty outputs as they are, and any other outcome goes to ``Driver._register_several``.
  * An in-place op (``in_place_op``) on a resident tensor of the engine, whose inputs are all
- * resident, gives the written storage its new version as ``Runtime.complete`` does; where the
+ * resident, gives the written storage its new version as ``Runtime.complete`` does (its defined
+ * views carried to the new version: ``storage.carry_views``); where the
  * Python path has more to do first (a written constant or handed-out tensor, lineage to make
  * permanent, an input to rematerialize) it returns ``FALLBACK`` for ``Driver._execute``.
  *
@@ -79,8 +80,7 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
     *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
-    *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation,
-    *O_carry_views;
+    *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation;
 static PyObject *EMPTY; /* () */
 static PyObject *ONE;   /* 1 */
 static int untrack_gc; /* the collector module is native: untrack as it does */
@@ -139,7 +139,8 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
     *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
-    *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version;
+    *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version, *A_forward,
+    *A_parent, *A_inputs, *A_outputs, *A_retarget;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1281,6 +1282,265 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_
     return c;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* storage.carry_views, with ``translate``, ``_sibling_record``, ``Call.retarget`` and
+ * ``Storage.add_view`` */
+
+/* The object a weak reference refers to, or None: a new reference, NULL on error. */
+static PyObject *deref(PyObject *w) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o;
+    if (PyWeakref_GetRef(w, &o) < 0) return NULL;
+    return o ? o : Py_NewRef(Py_None);
+#else
+    return Py_NewRef(PyWeakref_GetObject(w));
+#endif
+}
+
+/* Whether the collector module is native and ``storage.runtime._untrack`` is set: -1 on error. */
+static int untracking_of(PyObject *storage) {
+    PyObject *untrack = PyObject_GetAttr(SLOT(storage, S_off[S_runtime]), A__untrack);
+    if (untrack == NULL) return -1;
+    Py_DECREF(untrack);
+    return untrack != Py_None && untrack_gc;
+}
+
+/* Storage.add_view(s, c) */
+static int add_view(PyObject *s, PyObject *c) {
+    PyObject *views = SLOT(s, S_off[S_views]);
+    int truth = PyObject_IsTrue(views);
+    if (truth < 0) return -1;
+    if (!truth) {
+        if (steal_slot(s, S_off[S_views], PyList_New(0)) < 0) return -1;
+        views = SLOT(s, S_off[S_views]);
+        int untracking = untracking_of(s);
+        if (untracking < 0) return -1;
+        if (untracking) gc_untrack(views); /* weak references only: Note [Untracked records] */
+    }
+    if (!PyList_Check(views)) {
+        PyErr_SetString(PyExc_TypeError, "Storage.views is not a list");
+        return -1;
+    }
+    PyObject *weak = PyWeakref_NewRef(c, NULL);
+    if (weak == NULL) return -1;
+    int r = PyList_Append(views, weak);
+    Py_DECREF(weak);
+    if (r < 0) return -1;
+    Py_ssize_t n = PyList_GET_SIZE(views);
+    if ((n & 63) == 0) { /* drop the weakrefs of dead view cells now and then */
+        PyObject *kept = PyList_New(0);
+        if (kept == NULL) return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *w = PyList_GET_ITEM(views, i);
+            PyObject *o = deref(w);
+            if (o == NULL || (o != Py_None && PyList_Append(kept, w) < 0)) {
+                Py_XDECREF(o);
+                Py_DECREF(kept);
+                return -1;
+            }
+            Py_DECREF(o);
+        }
+        r = PyList_SetSlice(views, 0, n, kept);
+        Py_DECREF(kept);
+        if (r < 0) return -1;
+    }
+    return 0;
+}
+
+/* storage._sibling_record(rec, base, index): a new reference to the record, Py_None when there
+ * is none, NULL on error. */
+static PyObject *sibling_record(PyObject *rec, PyObject *base, Py_ssize_t index) {
+    PyObject *outs = SLOT(rec, K_off[K_outputs]);
+    if (!PyList_Check(outs)) {
+        PyErr_SetString(PyExc_TypeError, "OpRecord.outputs is not a list");
+        return NULL;
+    }
+    for (int step = -1; step <= 1; step += 2) {
+        for (Py_ssize_t j = index + step; 0 <= j && j < PyList_GET_SIZE(outs); j += step) {
+            PyObject *w = PyList_GET_ITEM(outs, j);
+            if (!PyWeakref_CheckRefExact(w)) continue;
+            PyObject *d = deref(w);
+            if (d == NULL) return NULL;
+            if (d == Py_None) {
+                Py_DECREF(d);
+                continue;
+            }
+            PyObject *f = PyObject_GetAttr(d, A_forward);
+            Py_DECREF(d);
+            if (f == NULL) return NULL;
+            PyObject *found = Py_NewRef(Py_None);
+            if (f != Py_None) { /* f.parent, if f.parent.inputs[0] is base */
+                PyObject *parent = PyObject_GetAttr(f, A_parent);
+                PyObject *inputs = parent ? PyObject_GetAttr(parent, A_inputs) : NULL;
+                PyObject *first = inputs ? PySequence_GetItem(inputs, 0) : NULL;
+                Py_XDECREF(inputs);
+                if (first == NULL) {
+                    Py_XDECREF(parent);
+                    Py_DECREF(f);
+                    Py_DECREF(found);
+                    return NULL;
+                }
+                Py_DECREF(first);
+                if (first == base) Py_SETREF(found, parent);
+                else Py_DECREF(parent);
+            }
+            Py_DECREF(f);
+            return found; /* the nearest live sibling decides */
+        }
+    }
+    return Py_NewRef(Py_None);
+}
+
+/* rec.retarget([base]) with no outputs yet: Call.retarget natively, another record's in Python. */
+static PyObject *retarget(PyObject *rec, PyObject *base) {
+    PyObject *inputs = PyList_New(1);
+    if (inputs == NULL) return NULL;
+    PyList_SET_ITEM(inputs, 0, Py_NewRef(base));
+    if (!Py_IS_TYPE(rec, T_Call)) {
+        PyObject *r = PyObject_CallMethodOneArg(rec, A_retarget, inputs);
+        Py_DECREF(inputs);
+        return r;
+    }
+    PyObject *c = T_Call->tp_alloc(T_Call, 0);
+    PyObject *zero = c ? PyLong_FromLong(0) : NULL;
+    PyObject *outputs = zero ? PyList_New(0) : NULL;
+    if (outputs == NULL) {
+        Py_XDECREF(zero);
+        Py_XDECREF(c);
+        Py_DECREF(inputs);
+        return NULL;
+    }
+    for (int k = 0; k < K_N; k++) set_slot(c, K_off[k], SLOT(rec, K_off[k]));
+    steal_slot(c, K_off[K_inputs], inputs);
+    set_slot(c, K_off[K_use_storages], EMPTY);
+    steal_slot(c, K_off[K_outputs], outputs);
+    set_slot(c, K_off[K_payload], Py_None);
+    steal_slot(c, K_off[K_live], zero);
+    return c;
+}
+
+/* storage.translate(cell) */
+static int translate(PyObject *cell) {
+    PyObject *s2 = SLOT(SLOT(cell, C_storage), S_off[S_forward]);
+    PyObject *chain = PyList_New(0);
+    if (chain == NULL) return -1;
+    PyObject *c = cell;
+    int r = -1;
+    PyObject *base = NULL;
+    for (;;) { /* the root's forward is the new version itself: the walk stops there */
+        PyObject *f = PyObject_GetAttr(c, A_forward);
+        if (f == NULL) goto done;
+        Py_DECREF(f);
+        if (f != Py_None) {
+            base = Py_NewRef(f);
+            break;
+        }
+        if (!Py_IS_TYPE(c, T_Cell)) { /* a storage's forward is set: only views walk */
+            PyErr_SetString(PyExc_TypeError, "dtr internal error: translating a view over a non-cell");
+            goto done;
+        }
+        if (PyList_Append(chain, c) < 0) goto done;
+        PyObject *inputs = PyObject_GetAttr(SLOT(c, C_parent), A_inputs);
+        PyObject *first = inputs ? PySequence_GetItem(inputs, 0) : NULL;
+        Py_XDECREF(inputs);
+        if (first == NULL) goto done;
+        c = first; /* held by its record's inputs */
+        Py_DECREF(first);
+    }
+    int untracking = untracking_of(s2);
+    if (untracking < 0) goto done;
+    for (Py_ssize_t i = PyList_GET_SIZE(chain) - 1; i >= 0; i--) {
+        c = PyList_GET_ITEM(chain, i);
+        PyObject *rec = SLOT(c, C_parent);
+        Py_ssize_t index = PyLong_AsSsize_t(SLOT(c, C_index));
+        if (index == -1 && PyErr_Occurred()) goto done;
+        PyObject *rec2 = sibling_record(rec, base, index);
+        if (rec2 == NULL) goto done;
+        int made = rec2 == Py_None;
+        if (made) {
+            Py_DECREF(rec2);
+            rec2 = retarget(rec, base);
+            Py_ssize_t n = PyList_Check(SLOT(rec, K_off[K_outputs])) ? PyList_GET_SIZE(SLOT(rec, K_off[K_outputs])) : -1;
+            PyObject *none = rec2 && n >= 0 ? PyList_New(n) : NULL;
+            if (none == NULL) {
+                if (rec2 && n < 0) PyErr_SetString(PyExc_TypeError, "OpRecord.outputs is not a list");
+                Py_XDECREF(rec2);
+                goto done;
+            }
+            for (Py_ssize_t j = 0; j < n; j++) PyList_SET_ITEM(none, j, Py_NewRef(Py_None));
+            if (PyObject_SetAttr(rec2, A_outputs, none) < 0) {
+                Py_DECREF(none);
+                Py_DECREF(rec2);
+                goto done;
+            }
+            Py_DECREF(none);
+        }
+        PyObject *c2 = T_Cell->tp_alloc(T_Cell, 0); /* Cell(s2, rec2, c.index, None) */
+        if (c2 == NULL) {
+            Py_DECREF(rec2);
+            goto done;
+        }
+        set_slot(c2, C_storage, s2);
+        set_slot(c2, C_parent, rec2);
+        set_slot(c2, C_index, SLOT(c, C_index));
+        set_slot(c2, C_value, Py_None);
+        set_slot(c2, C_forward, Py_None);
+        PyObject *weak = PyWeakref_NewRef(c2, NULL); /* Note [Views held weakly] */
+        PyObject *outs2 = weak ? PyObject_GetAttr(rec2, A_outputs) : NULL;
+        int set = outs2 ? PySequence_SetItem(outs2, index, weak) : -1;
+        if (set == 0 && untracking) {
+            /* As new_view's, the weak reference to the cell included: Note [Untracked records] */
+            gc_untrack(c2);
+            gc_untrack(weak);
+            if (made) {
+                gc_untrack(rec2);
+                gc_untrack(SLOT(rec2, K_off[K_inputs]));
+                gc_untrack(outs2);
+            }
+        }
+        Py_XDECREF(outs2);
+        Py_XDECREF(weak);
+        Py_DECREF(rec2);
+        if (set < 0) {
+            Py_DECREF(c2);
+            goto done;
+        }
+        set_slot(c, C_forward, c2);
+        Py_SETREF(base, c2);
+    }
+    r = 0;
+done:
+    Py_XDECREF(base);
+    Py_DECREF(chain);
+    return r;
+}
+
+/* storage.carry_views(s) */
+static int carry_views(PyObject *s) {
+    PyObject *s2 = SLOT(s, S_off[S_forward]);
+    PyObject *views = PySequence_Fast(SLOT(s, S_off[S_views]), "Storage.views");
+    if (views == NULL) return -1;
+    int r = 0;
+    for (Py_ssize_t i = 0; r == 0 && i < PySequence_Fast_GET_SIZE(views); i++) {
+        PyObject *c = deref(PySequence_Fast_GET_ITEM(views, i));
+        if (c == NULL) {
+            r = -1;
+            break;
+        }
+        if (c != Py_None && Py_IS_TYPE(c, T_Cell) && SLOT(c, C_value) != Py_None && SLOT(c, C_forward) == Py_None) {
+            r = translate(c);
+            if (r == 0) {
+                PyObject *c2 = SLOT(c, C_forward);
+                set_slot(c2, C_value, SLOT(c, C_value));
+                r = add_view(s2, c2);
+            }
+        }
+        Py_DECREF(c);
+    }
+    Py_DECREF(views);
+    return r;
+}
+
 /* ``s.recomputable``: 1, 0, or -1 on error. */
 static int recomputable(PyObject *s) {
     PyObject *parent = SLOT(s, S_off[S_parent]);
@@ -1308,9 +1568,7 @@ static PyObject *new_version(PyObject *rt, PyObject *rec, PyObject *s, PyObject 
     int carry = alias ? PyObject_IsTrue(alias) : -1;
     Py_XDECREF(alias);
     if (carry > 0 && PyObject_IsTrue(SLOT(s, S_off[S_views]))) { /* no views: carry_views does nothing */
-        PyObject *r = PyObject_CallOneArg(O_carry_views, s);
-        carry = r == NULL ? -1 : 0;
-        Py_XDECREF(r);
+        carry = carry_views(s);
     }
     /* the old version's bytes now belong to the new one: no memory is freed */
     if (carry < 0 || evict(rt, s) < 0) {
@@ -2864,7 +3122,6 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(EXTERNAL);
     GET(graph_task_id);
     GET(accumulation);
-    GET(carry_views);
     GET(FALLBACK);
     GET(Facts);
     PyObject *u = PyDict_GetItemString(config, "untrack_gc");
@@ -3011,6 +3268,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
     INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
     INTERN(reserve); INTERN(argmin); INTERN(_log); INTERN(uses); INTERN(_version);
+    INTERN(forward); INTERN(parent); INTERN(inputs); INTERN(outputs); INTERN(retarget);
     if ((S_nan = PyUnicode_InternFromString("nan")) == NULL) return NULL;
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
     if ((ONE = PyLong_FromLong(1)) == NULL) return NULL;

@@ -31,7 +31,7 @@ from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
 from dtr.core.runtime import Ref
-from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage, carry_views
+from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
 from dtr.eager import accumulation, output_size
 from dtr.eager.constants import Constants
 from dtr.eager.cost import estimate_seconds
@@ -73,7 +73,6 @@ def _config() -> dict:
         "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor,
         "ADD_FACTS": facts_for(torch.ops.aten.add_.Tensor), "EXTERNAL": EXTERNAL,
         "graph_task_id": torch._C._current_graph_task_id, "accumulation": accumulation,
-        "carry_views": carry_views,
     }
 
 
