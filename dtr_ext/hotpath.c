@@ -135,7 +135,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_set_backward, *A_next_sid, *A__summing, *A__sum, *A__execute, *A__route,
     *A_arriving, *A_pop, *A_value, *A__index, *A_drop, *A__on_evict, *A_replayable,
     *A__unreferenced, *A_counters, *A_eager_evictions, *A_popleft, *A__hook, *A__alias,
-    *A_add_view, *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
+    *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
     *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
@@ -1242,6 +1242,8 @@ fail:
     return -1;
 }
 
+static int add_view(PyObject *s, PyObject *c);
+
 /* outputs.new_view(base's storage, rec, index, value): a new reference. */
 static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_t index, PyObject *value) {
     PyObject *c = T_Cell->tp_alloc(T_Cell, 0);
@@ -1256,12 +1258,10 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_
     steal_slot(c, C_index, at);
     set_slot(c, C_value, value);
     set_slot(c, C_forward, Py_None);
-    PyObject *r = PyObject_CallMethodOneArg(storage_of(base), A_add_view, c);
-    if (r == NULL) {
+    if (add_view(storage_of(base), c) < 0) {
         Py_DECREF(c);
         return NULL;
     }
-    Py_DECREF(r);
     PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
     if (untrack == NULL) {
         Py_DECREF(c);
@@ -3261,7 +3261,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_summing); INTERN(_sum); INTERN(_execute); INTERN(_route); INTERN(arriving); INTERN(pop);
     INTERN(value); INTERN(_index); INTERN(drop); INTERN(_on_evict); INTERN(replayable);
     INTERN(_unreferenced); INTERN(counters); INTERN(eager_evictions); INTERN(popleft);
-    INTERN(_hook); INTERN(_alias); INTERN(add_view); INTERN(resolve); INTERN(executor); INTERN(forget);
+    INTERN(_hook); INTERN(_alias); INTERN(resolve); INTERN(executor); INTERN(forget);
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
     INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
