@@ -33,7 +33,8 @@
  * permanent, an input to rematerialize) it returns ``FALLBACK`` for ``Driver._execute``.
  *
  * ``ordinary(index)`` is the candidate index's search for an eviction round's next victim
- * (``CandidateIndex._ordinary``): the argmin over the rows' bounds, the heap of scored rows, and
+ * (``CandidateIndex._ordinary``): the rows in order of their bounds (numpy's argmin, then the
+ * round's sorted chunks, which ``_sort_next`` makes in Python), the heap of scored rows, and
  * ``_examine``'s scoring of an ORDINARY row, with h_DTR^eq's ``key`` in C when the index's key
  * is ``DTREq.key`` (another heuristic's key is called in Python); a row of any other case goes
  * to ``_examine`` in Python. ``release(runtime, storage)`` is ``lineage.release``, which this file
@@ -74,7 +75,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
     *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
-    *O_dtreq_on_release, *O_constants_forget, *O_constants_use,
+    *O_dtreq_on_release, *O_constants_forget, *O_constants_use, *O_ARGMINS,
     *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX, *O_make_room, *O_output_bytes,
     *O_output_size, *S_nan,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
@@ -140,6 +141,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
     *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
     *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version, *A_forward,
+    *A__order, *A__pos, *A__argmins, *A__sort_next,
     *A_parent, *A_inputs, *A_outputs, *A_retarget;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -690,6 +692,7 @@ static int dtreq_on_evict(PyObject *s) {
  * of an ORDINARY row and h_DTR^eq's ``key``). Rows of other cases go to ``_examine`` in Python. */
 
 static double TOL, F32_MAX; /* candidates._TOL and _F32_MAX */
+static long long ARGMINS;   /* candidates._ARGMINS */
 static int recomputable(PyObject *s);
 
 /* The distinct neighbouring sets DTREq.key has summed: a few, kept on the stack until more come. */
@@ -852,6 +855,24 @@ static float *rows_of(PyObject *index, PyObject *name, Py_buffer *view, Py_ssize
     return (float *)view->buf;
 }
 
+/* The index's ``_order`` (slots, numpy intp): its items and their count in ``*n``, or NULL. */
+static Py_ssize_t *order_of(PyObject *index, Py_buffer *view, Py_ssize_t *n) {
+    PyObject *a = PyObject_GetAttr(index, A__order);
+    if (a == NULL) return NULL;
+    int r = PyObject_GetBuffer(a, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS);
+    Py_DECREF(a);
+    if (r < 0) return NULL;
+    if (view->itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || view->format == NULL ||
+        (strcmp(view->format, "n") != 0 && strcmp(view->format, "l") != 0 && strcmp(view->format, "q") != 0)) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.ordinary: the index's order is not an intp array");
+        return NULL;
+    }
+    *n = view->len / view->itemsize;
+    return (Py_ssize_t *)view->buf;
+}
+
 static int attr_flag(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
     if (v == NULL) return -1;
@@ -868,6 +889,10 @@ static PyObject *ordinary(PyObject *module, PyObject *index) {
     }
     Search x = {index};
     Py_buffer views[3] = {{0}};
+    Py_buffer order_view = {0};
+    Py_ssize_t *order = NULL, norder = 0;
+    long long pos = 0, argmins = 0;
+    int state_read = 0; /* ``_pos`` and ``_argmins`` are to be written back */
     PyObject *result = NULL;
     x.checked = PyObject_GetAttr(index, A__checked);
     x.rows = x.checked ? PyObject_GetAttr(index, A__rows) : NULL;
@@ -892,13 +917,35 @@ static PyObject *ordinary(PyObject *module, PyObject *index) {
         PyErr_SetString(PyExc_ValueError, "dtr_ext._hotpath.ordinary: an index without rows");
         goto done;
     }
+    if (attr_ll(index, A__pos, &pos) < 0 || attr_ll(index, A__argmins, &argmins) < 0 ||
+        (order = order_of(index, &order_view, &norder)) == NULL)
+        goto done;
+    state_read = 1;
     float *buf = x.buf;
     for (;;) {
-        /* numpy's own argmin: vectorized, where a scalar loop over 10,000s of rows cost ~100 us */
-        PyObject *at = PyObject_CallMethodNoArgs(x.buf_array, A_argmin);
-        Py_ssize_t i = at ? PyNumber_AsSsize_t(at, PyExc_OverflowError) : -1;
-        Py_XDECREF(at);
-        if (i == -1 && PyErr_Occurred()) goto done;
+        /* The unexamined row with the lowest bound (Note [Examination order]). */
+        Py_ssize_t i;
+        if (pos < norder) {
+            i = order[pos];
+        } else if (argmins < ARGMINS) {
+            /* numpy's own argmin: vectorized, where a scalar loop over 10,000s of rows cost ~100 us */
+            PyObject *at = PyObject_CallMethodNoArgs(x.buf_array, A_argmin);
+            i = at ? PyNumber_AsSsize_t(at, PyExc_OverflowError) : -1;
+            Py_XDECREF(at);
+            if (i == -1 && PyErr_Occurred()) goto done;
+        } else {
+            PyBuffer_Release(&order_view);
+            order_view.obj = NULL;
+            PyObject *r = PyObject_CallMethodNoArgs(index, A__sort_next);
+            Py_XDECREF(r);
+            if (r == NULL || (order = order_of(index, &order_view, &norder)) == NULL) goto done;
+            if (norder == 0) {
+                PyErr_SetString(PyExc_ValueError, "dtr_ext._hotpath.ordinary: an empty order");
+                goto done;
+            }
+            pos = 0;
+            i = order[0];
+        }
         if (i < 0 || i >= x.n) {
             PyErr_SetString(PyExc_IndexError, "dtr_ext._hotpath.ordinary: argmin out of the rows");
             goto done;
@@ -927,9 +974,27 @@ static PyObject *ordinary(PyObject *module, PyObject *index) {
             goto done;
         }
         buf[i] = INFINITY;
+        if (pos < norder)
+            pos++;
+        else
+            argmins++;
         if (examine(&x, i) < 0) goto done;
     }
 done:
+    if (state_read) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb); /* written back also when the search raised */
+        if ((set_attr_ll(index, A__pos, pos) < 0 || set_attr_ll(index, A__argmins, argmins) < 0) && result) {
+            Py_CLEAR(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            if (type) PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    if (order_view.obj != NULL) PyBuffer_Release(&order_view);
     for (int v = 0; v < 3; v++)
         if (views[v].obj != NULL) PyBuffer_Release(&views[v]);
     Py_XDECREF(x.checked);
@@ -3095,6 +3160,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(heappop);
     GET(TOL);
     GET(F32_MAX);
+    GET(ARGMINS);
+    ARGMINS = PyLong_AsLongLong(O_ARGMINS);
     TOL = PyFloat_AsDouble(O_TOL);
     F32_MAX = PyFloat_AsDouble(O_F32_MAX);
     if (PyErr_Occurred()) return NULL;
@@ -3268,6 +3335,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
     INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
     INTERN(reserve); INTERN(argmin); INTERN(_log); INTERN(uses); INTERN(_version);
+    INTERN(_order); INTERN(_pos); INTERN(_argmins); INTERN(_sort_next);
     INTERN(forward); INTERN(parent); INTERN(inputs); INTERN(outputs); INTERN(retarget);
     if ((S_nan = PyUnicode_InternFromString("nan")) == NULL) return NULL;
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;

@@ -932,6 +932,31 @@ def test_both_searches_evict_alike_on_the_zoo_traces(trace, fraction, heuristic)
     assert got_result == want_result
 
 
+@pytest.mark.parametrize("trace,fraction,heuristic", [
+    ("treelstm_batch", 0.5, "dtr_eq"), ("treelstm_batch", 0.5, "size"), ("gru_cell", 0.3, "lru"),
+    ("transformer", 0.3, "size"),
+])
+def test_sorted_chunks_examine_rows_in_argmin_order(trace, fraction, heuristic, monkeypatch):
+    """Note [Examination order]: a round that reads its rows from sorted chunks (here from the
+    first row on, one row in the first chunk, so that chunks end inside runs of equal bounds)
+    evicts what one that finds every row by argmin evicts, in the same order; "size" and
+    LRU tie on many bounds."""
+    from dtr.core import candidates
+
+    path = TRACES / f"{trace}.jsonl.gz"
+    monkeypatch.setattr(candidates, "_ARGMINS", 10**9)
+    want, want_result = _simulated_evictions(path, fraction, heuristic, None)
+    monkeypatch.setattr(candidates, "_ARGMINS", 0)
+    monkeypatch.setattr(candidates, "_FIRST_CHUNK", 1)
+    sorted_chunks = []
+    sort_next = candidates.CandidateIndex._sort_next
+    monkeypatch.setattr(candidates.CandidateIndex, "_sort_next", lambda index: sorted_chunks.append(1) or sort_next(index))
+    got, got_result = _simulated_evictions(path, fraction, heuristic, None)
+    assert len(want) > 20 and len(sorted_chunks) > 20
+    assert got == want
+    assert got_result == want_result
+
+
 @needs_native
 def test_the_native_key_is_h_dtr_eq_s_next_to_many_evicted_sets():
     """h_DTR^eq's key in C is the Python one's float, also for a storage next to more evicted

@@ -60,7 +60,7 @@ def _config() -> dict:
         "dtreq_on_release": DTREq.on_release, "constants_forget": Constants.forget,
         "constants_use": Constants.use,
         "heappush": heapq.heappush, "heappop": heapq.heappop, "TOL": candidates._TOL,
-        "F32_MAX": candidates._F32_MAX,
+        "F32_MAX": candidates._F32_MAX, "ARGMINS": candidates._ARGMINS,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
