@@ -3,7 +3,8 @@ against the replayed kernels it exists to run (issue 18: the recurrent loops' wa
 0.5 and 0.3 of their peak).
 
 Workloads: the recurrent loops of ``bench_runtime.py`` (``gru_cell_small``: a ``GRUCell`` with
-batch 32 and hidden 128 over 100 steps; ``lstmcell``: the zoo's ``LSTMCell`` bench preset),
+batch 32 and hidden 128 over 100 steps; ``lstmcell``: the zoo's ``LSTMCell`` bench preset), and
+the bench presets of issue 18's sweep (``gru_cell``, ``lstm_cell_masked``, ``treelstm_batch``),
 forward and backward, 1 intra-op thread. Per model and fraction: one engine at the fraction
 of the unlimited step's peak resident bytes, ``--warmup`` untimed steps, then ``--repeats``
 steps timed as they are, then ``--repeats`` steps with the phases timed in place
@@ -27,7 +28,7 @@ rows do not add up; ``machinery`` is the budgeted step less the unlimited one le
 replayed kernels and copies. Replays are counted apart from rematerializations: re-deriving a view of a
 resident storage replays its view op and brings back no bytes.
 
-    .venv/bin/python benchmarks/budget_breakdown.py                       # both loops, 0.5
+    .venv/bin/python benchmarks/budget_breakdown.py                       # the two loops, 0.5
     .venv/bin/python benchmarks/budget_breakdown.py --models gru_cell_small --fractions 0.5 0.3
 
 Rows (JSON lines, with commit and machine) are appended to ``--out``.
@@ -59,6 +60,9 @@ RESULTS = Path(__file__).parent / "results" / "budget_breakdown.jsonl"
 MODELS = {
     "gru_cell_small": ("gru_cell", dict(batch=32, d_emb=128, hidden=128, lengths=(100, 100), padded=100)),
     "lstmcell": ("lstmcell", {}),
+    "gru_cell": ("gru_cell", {}),
+    "lstm_cell_masked": ("lstm_cell_masked", {}),
+    "treelstm_batch": ("treelstm_batch", {}),
 }
 # (label, owner, attribute): each timed at its outermost call.
 PHASES = (
@@ -197,7 +201,7 @@ def show(row: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["gru_cell_small", "lstmcell"])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
