@@ -38,8 +38,8 @@
  * ``_examine``'s scoring of an ORDINARY row, with h_DTR^eq's ``key`` in C when the index's key
  * is ``DTREq.key`` (another heuristic's key is called in Python); a row of any other case goes
  * to ``_examine`` in Python. ``release(runtime, storage)`` is ``lineage.release``, which this file
- * also runs for wrapper deaths and unlocks: with h_DTR^eq's ``on_release`` in C while its
- * candidate index is not listening, and ``Constants.forget`` and ``use`` in C where every
+ * also runs for wrapper deaths and unlocks: with h_DTR^eq's ``on_release`` in C, and
+ * ``Constants.forget`` and ``use`` in C where every
  * constant keeps a use (a constant's first or last use goes to Python, which also tracks its
  * addresses). A runtime driven by the native path gets both (``Driver._bind_native``).
  *
@@ -75,7 +75,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
     *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
-    *O_dtreq_on_release, *O_constants_forget, *O_constants_use, *O_ARGMINS,
+    *O_dtreq_on_release, *O_constants_forget, *O_constants_use, *O_ARGMINS, *O_LOG_LIMIT,
     *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX, *O_make_room, *O_output_bytes,
     *O_output_size, *S_nan,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
@@ -84,6 +84,7 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation;
 static PyObject *EMPTY; /* () */
 static PyObject *ONE;   /* 1 */
+static Py_ssize_t LOG_LIMIT; /* heuristics._LOG_LIMIT */
 static int untrack_gc; /* the collector module is native: untrack as it does */
 static int bound;
 static unsigned long long registered; /* ops registered natively, for tests */
@@ -141,7 +142,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
     *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
     *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version, *A_forward,
-    *A__order, *A__pos, *A__argmins, *A__sort_next,
+    *A__order, *A__pos, *A__argmins, *A__sort_next, *A__slack,
     *A_parent, *A_inputs, *A_outputs, *A_retarget;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -405,35 +406,52 @@ fail:
 
 static PyObject *uf_find(PyObject *node);
 
-/* rt._on_release(s). h_DTR^eq's (a DTREq itself, its candidate index not listening: ``_log`` is
- * None) is DTREq._leave, done here; other hooks are called. */
+/* rt._on_release(s). h_DTR^eq's (a DTREq itself) is done here: with its candidate index
+ * listening (``_log`` a list), ``_lower(s.deps(), s.cost)``; then ``_leave``. Other hooks are
+ * called. */
 static int on_release(PyObject *rt, PyObject *s) {
     PyObject *hook = PyObject_GetAttr(rt, A__on_release);
     if (hook == NULL) return -1;
-    if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_release &&
-        Py_TYPE(PyMethod_GET_SELF(hook)) == T_DTREq) {
-        PyObject *log = PyObject_GetAttr(PyMethod_GET_SELF(hook), A__log);
-        if (log == NULL) {
-            Py_DECREF(hook);
-            return -1;
-        }
-        Py_DECREF(log);
-        if (log == Py_None) {
-            Py_DECREF(hook);
-            PyObject *h = SLOT(s, S_off[S_hdata]);
-            if (h == Py_None) return 0;
-            PyObject *root = uf_find(h); /* find(s.hdata).cost -= s.cost */
-            if (root == NULL) return -1;
-            if (steal_slot(root, U_off[U_cost], PyNumber_Subtract(SLOT(root, U_off[U_cost]), SLOT(s, S_off[S_cost]))) < 0)
-                return -1;
-            set_slot(s, S_off[S_hdata], Py_None);
-            return 0;
-        }
+    if (!(PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_release &&
+          Py_TYPE(PyMethod_GET_SELF(hook)) == T_DTREq)) {
+        PyObject *done = PyObject_CallOneArg(hook, s);
+        Py_DECREF(hook);
+        if (done == NULL) return -1;
+        Py_DECREF(done);
+        return 0;
     }
-    PyObject *done = PyObject_CallOneArg(hook, s);
+    PyObject *h = SLOT(s, S_off[S_hdata]);
+    if (h == Py_None) {
+        Py_DECREF(hook);
+        return 0;
+    }
+    PyObject *self = PyMethod_GET_SELF(hook);
+    PyObject *log = PyObject_GetAttr(self, A__log);
+    int r = log ? 0 : -1;
+    if (log != NULL && log != Py_None) { /* self._lower(s.deps(), s.cost) */
+        PyObject *parent = SLOT(s, S_off[S_parent]);
+        PyObject *slack = PyObject_GetAttr(self, A__slack);
+        PyObject *more = slack ? PyNumber_Add(slack, SLOT(s, S_off[S_cost])) : NULL;
+        Py_XDECREF(slack);
+        if (!PyList_Check(log)) {
+            PyErr_SetString(PyExc_TypeError, "DTREq._log is not a list");
+            r = -1;
+        } else if (parent != Py_None &&
+                   PyList_SetSlice(log, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, SLOT(parent, K_off[K_use_storages])) < 0) {
+            r = -1;
+        }
+        if (r == 0 && (more == NULL || PyObject_SetAttr(self, A__slack, more) < 0)) r = -1;
+        Py_XDECREF(more);
+        if (r == 0 && PyList_GET_SIZE(log) > LOG_LIMIT && PyObject_SetAttr(self, A__log, Py_None) < 0) r = -1;
+    }
+    Py_XDECREF(log);
     Py_DECREF(hook);
-    if (done == NULL) return -1;
-    Py_DECREF(done);
+    if (r < 0) return -1;
+    PyObject *root = uf_find(h); /* _leave: find(s.hdata).cost -= s.cost */
+    if (root == NULL) return -1;
+    if (steal_slot(root, U_off[U_cost], PyNumber_Subtract(SLOT(root, U_off[U_cost]), SLOT(s, S_off[S_cost]))) < 0)
+        return -1;
+    set_slot(s, S_off[S_hdata], Py_None);
     return 0;
 }
 
@@ -3162,6 +3180,8 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(F32_MAX);
     GET(ARGMINS);
     ARGMINS = PyLong_AsLongLong(O_ARGMINS);
+    GET(LOG_LIMIT);
+    LOG_LIMIT = PyLong_AsSsize_t(O_LOG_LIMIT);
     TOL = PyFloat_AsDouble(O_TOL);
     F32_MAX = PyFloat_AsDouble(O_F32_MAX);
     if (PyErr_Occurred()) return NULL;
@@ -3335,7 +3355,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
     INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
     INTERN(reserve); INTERN(argmin); INTERN(_log); INTERN(uses); INTERN(_version);
-    INTERN(_order); INTERN(_pos); INTERN(_argmins); INTERN(_sort_next);
+    INTERN(_order); INTERN(_pos); INTERN(_argmins); INTERN(_sort_next); INTERN(_slack);
     INTERN(forward); INTERN(parent); INTERN(inputs); INTERN(outputs); INTERN(retarget);
     if ((S_nan = PyUnicode_InternFromString("nan")) == NULL) return NULL;
     if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;

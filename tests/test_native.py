@@ -622,7 +622,9 @@ def _release_step(name, fraction, python):
         with dtr.budget(limit, cost="estimate") as engine:
             table = engine._driver.constants
             w.loss_fn(model, w.batch).backward()
-            before = _graph(engine.runtime), _constant_uses(table, model, w.batch)
+            h = engine.runtime.heuristic
+            log = None if h._log is None else [s.sid for s in h._log]  # h_DTR^eq's lowered keys
+            before = _graph(engine.runtime), _constant_uses(table, model, w.batch), log, h._slack
         after = _constant_uses(table, model, w.batch), engine.stats()
     return before, after, [p.grad for p in model.parameters()]
 
@@ -635,12 +637,13 @@ def test_both_paths_release_alike(name, fraction):
     constants' uses) is the same on both paths, where it runs from C: in the backward pass, as
     wrapper deaths and gradient sums release, and at the block's exit, where the lineage the
     program kept goes. With no budget, the sets are the eager evictions' and the candidate index
-    is not listening (hotpath.c lowers the set costs itself); under one it is."""
+    is not listening; under one it is, and h_DTR^eq logs the keys a release lowers."""
     got = _release_step(name, fraction, python=False)
     want = _release_step(name, fraction, python=True)
     assert got[0] == want[0]
     assert any(type(row[-1]) is tuple for row in got[0][0][:-6])  # union-find sets were kept
     assert got[0][1][0]  # records that read constants were alive
+    assert (got[0][2] is not None and got[0][3] > 0) == (fraction is not None)  # the index listened
     assert got[1] == want[1]
     assert got[1][0] == ([], 0, 0)  # every use was forgotten at the exit
     for g, w in zip(got[2], want[2]):

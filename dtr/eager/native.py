@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dtr.core import candidates, collector
+from dtr.core import candidates, collector, heuristics
 from dtr.core.candidates import CandidateIndex
 from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
@@ -61,6 +61,7 @@ def _config() -> dict:
         "constants_use": Constants.use,
         "heappush": heapq.heappush, "heappop": heapq.heappop, "TOL": candidates._TOL,
         "F32_MAX": candidates._F32_MAX, "ARGMINS": candidates._ARGMINS,
+        "LOG_LIMIT": heuristics._LOG_LIMIT,
         "RESIDENT": RESIDENT, "RELEASED": RELEASED, "EVICTED": EVICTED, "SWAPPED": SWAPPED,
         "VIEW": Kind.VIEW, "DETACH": Kind.DETACH, "fit": fit,
         "mws": torch.Tensor._make_wrapper_subclass, "is_grad_enabled": torch.is_grad_enabled,
