@@ -140,7 +140,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A_resolve, *A_executor, *A_forget, *A__on_release, *A_host, *A_leave, *A_shape,
     *A_numel, *A_element_size, *A__add_to_permanent, *A_exclusive, *A__sum_as, *A__register_several, *A__register,
     *A__views_alias_data, *A__examine, *A__checked, *A__rows, *A__picks, *A__small_below,
-    *A__protected_from, *A__key, *A__now, *A__base, *A__staleness, *A__buf, *A__bound, *A__la,
+    *A__protected_from, *A__key, *A__now, *A__staleness, *A__buf, *A__bound, *A__la,
     *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version, *A_forward,
     *A__order, *A__pos, *A__argmins, *A__sort_next, *A__slack,
     *A_parent, *A_inputs, *A_outputs, *A_retarget;
@@ -3352,7 +3352,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(_on_release); INTERN(host); INTERN(leave); INTERN(shape); INTERN(numel);
     INTERN(element_size); INTERN(_add_to_permanent); INTERN(exclusive); INTERN(_sum_as);
     INTERN(_views_alias_data); INTERN(_examine); INTERN(_checked); INTERN(_rows); INTERN(_picks);
-    INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now); INTERN(_base);
+    INTERN(_small_below); INTERN(_protected_from); INTERN(_key); INTERN(_now);
     INTERN(_staleness); INTERN(_buf); INTERN(_bound); INTERN(_la); INTERN(_SIZES); INTERN(_SETTLED);
     INTERN(reserve); INTERN(argmin); INTERN(_log); INTERN(uses); INTERN(_version);
     INTERN(_order); INTERN(_pos); INTERN(_argmins); INTERN(_sort_next); INTERN(_slack);

@@ -12,7 +12,8 @@ round computes a lower bound of every score at the current clock in one vectoriz
 array operations: about 5 µs for 10,000 rows on the project's 2-core VM). It then examines rows
 in order of that bound: an examined row gets its exact key and score from the heuristic and
 goes into a small heap; the round's victim is the heap's top once no unexamined bound can
-match it. Usually two rows are examined per eviction.
+match it. Often two rows are examined per eviction; many more where rows are parked, set aside
+or loosely bounded (Note [Examination order]).
 
 The bounds stay lower bounds with no work on the per-op hot path:
 
