@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple, Union
 from dtr.config import parse_bytes
 from dtr.core import Heuristic, Runtime, heuristic_names, make_heuristic
 from dtr.errors import OutOfBudgetError
-from dtr.sim.simulator import SimExecutor, run_block
+from dtr.sim.simulator import RoomBeforeOps, SimExecutor, run_block
 from dtr.sim.trace import Trace, load
 
 __all__ = ["Recorder", "Timeline"]
@@ -119,7 +119,7 @@ class Timeline:
         recorder = rt.on_op = Recorder()
         error = None
         try:
-            run_block(rt, events)
+            run_block(rt, events, RoomBeforeOps.having_run(tr.blocks[: block % len(tr.blocks)]))
         except OutOfBudgetError as e:
             error = str(e)
         recorder.end(rt)

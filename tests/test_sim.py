@@ -80,6 +80,69 @@ def test_simulation_repeats_the_evictions_of_the_real_run(name, tmp_path):
     assert sim.total_cost == pytest.approx(sim.base_cost + sim.remat_cost)
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "treelstm", "gru_cell"])
+def test_an_unlimited_trace_simulates_a_run_under_a_budget(name, fraction, tmp_path):
+    """A trace recorded with no budget has no room made before its ops; simulated under a
+    budget it makes room where the driver would (``RoomBeforeOps``): in the first block for
+    every op, later where the headroom is less than the largest output made. Two steps of one
+    engine, simulated at the budget, make the real engine's evictions in order and its peak
+    (without it, the simulated peak passed the budget by an op and the evictions differed)."""
+    w = zoo.build(name, "tiny")
+    unlimited = dtr.budget(None, cost="estimate", trace=tmp_path / "t.jsonl")
+    model = fresh_model(w)
+    for _ in range(2):
+        run_step(w, model, unlimited)
+    tracked = run_step(w, fresh_model(w), None, cost="estimate").stats
+    limit = budget_at(tracked, fraction)
+    real_log = Logged()
+    engine = dtr.budget(limit, cost="estimate", heuristic=real_log)
+    model = fresh_model(w)
+    for _ in range(2):
+        run_step(w, model, engine)
+    real = engine.stats()
+    sim_log = Logged()
+    sim = dtr.simulate(tmp_path / "t.jsonl", limit, heuristic=sim_log)
+    assert sim.feasible and real.evictions > 0
+    assert sim_log.log == real_log.log
+    assert (sim.evictions, sim.rematerializations, sim.peak_bytes) == (
+        real.evictions, real.rematerializations, real.peak_resident_bytes
+    )
+    assert sim.peak_bytes <= limit
+
+
+def test_a_later_block_does_not_anticipate_a_larger_output(tmp_path):
+    """After its first block an engine makes room before an op only where the headroom is
+    less than the largest output it has made, so an output larger than any before (the
+    second block's ``repeat``) passes the budget by itself; simulated from the unlimited
+    trace, the same happens, with the same evictions."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def steps(engine):
+        for big in (False, True):
+            w.grad = None
+            with engine:
+                h = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+                for _ in range(6):
+                    h = torch.tanh(h @ w)
+                if big:
+                    h = h.repeat(16, 1)
+                h.sum().backward()
+                del h
+
+    steps(dtr.budget(None, cost="estimate", trace=tmp_path / "t.jsonl"))
+    limit = 78_000
+    real_log = Logged()
+    engine = dtr.budget(limit, cost="estimate", heuristic=real_log)
+    steps(engine)
+    real = engine.stats()
+    sim_log = Logged()
+    sim = dtr.simulate(tmp_path / "t.jsonl", limit, heuristic=sim_log)
+    assert sim_log.log == real_log.log and real.evictions > 0
+    assert sim.peak_bytes == real.peak_resident_bytes > limit
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(program=programs, seed=st.integers(0, 2**16), fraction=st.floats(0.05, 1.0))

@@ -160,13 +160,14 @@ def simulate(
     base = 0.0
     peak = 0
     error = None
+    room = RoomBeforeOps()
     for block in tr.blocks:
         host = HostTier(bandwidth, host_bytes, log) if swap else None
         rt = Runtime(
             limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host
         )
         try:
-            base += run_block(rt, block)
+            base += run_block(rt, block, room)
         except OutOfBudgetError as e:
             error = str(e)
         finally:
@@ -194,12 +195,75 @@ def simulate(
     )
 
 
-def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
+class RoomBeforeOps:
+    """The eager driver's room before an op (Note [Room before an op] in eager/driver.py), for
+    a block recorded without a budget, which carries no ``reserve`` events: simulated under a
+    budget, it makes room for an op's new storages before the op when the driver would, that
+    is in an engine's first block (until a block with ops has ended) and later where the
+    headroom is less than the largest storage an op has made. A block recorded under a budget
+    carries the driver's own ``reserve`` events instead (with the meta device's sizes), and
+    is replayed as it is.
+
+    Without it, a budget simulated on an unlimited run's trace evicts for each op only after
+    the op, with its outputs locked too, where the real run had made room before: peaks passed
+    the budget by an op, other storages were evicted, and the bench ``nn.GRU``, which runs for
+    real at 0.62 of its peak, was infeasible in simulation below 0.65. One per simulated
+    engine: it carries what it learned from block to block.
+    """
+
+    __slots__ = ("largest", "every")
+
+    def __init__(self) -> None:
+        self.largest = 0  # the largest new storage an op has made
+        self.every = True  # no block with ops has ended: every op is sized
+
+    @classmethod
+    def having_run(cls, blocks: List[List[Dict[str, Any]]]) -> "RoomBeforeOps":
+        """The state of an engine that has run ``blocks`` (a trace's earlier blocks)."""
+        room = cls()
+        for events in blocks:
+            ops = False
+            for e in events:
+                if e["e"] == "op":
+                    room.made(e)
+                    ops = True
+                elif e["e"] == "end" and ops and not e.get("failed"):
+                    room.every = False
+        return room
+
+    @staticmethod
+    def applies(events: List[Dict[str, Any]]) -> bool:
+        """Whether ``events`` (one block) were recorded without a budget and its room."""
+        return events[0].get("budget") is None and not any("reserve" in e for e in events)
+
+    def before(self, rt: Runtime, event: Dict[str, Any]) -> None:
+        """Make room for the op ``event``'s new storages, if the driver would; its inputs are
+        acquired."""
+        budget = rt.budget
+        if budget is None:
+            return
+        nbytes = sum(n for n, base in event["new"] if base is None)
+        if nbytes and (self.every or rt.memory + self.largest > budget):
+            rt.reserve(nbytes, event["name"])
+
+    def made(self, event: Dict[str, Any]) -> None:
+        """The op ``event`` completed."""
+        for n, base in event["new"]:
+            if base is None and n > self.largest:
+                self.largest = n
+
+
+def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBeforeOps] = None) -> float:
     """Feed one block's events to ``rt`` (a fresh runtime with a ``SimExecutor``); returns
-    the recorded cost of its ops. ``dtr.timeline`` watches a block this way."""
+    the recorded cost of its ops. ``room``: the simulated engine's ``RoomBeforeOps``, which
+    makes room before ops where the block was recorded without a budget, and learns from it
+    (None: none is made but what the trace records). ``dtr.timeline`` watches a block this
+    way."""
     cells: Dict[int, Any] = {}
     wrappers: Dict[int, _Wrapper] = {}
     cost = 0.0
+    emulate = room is not None and room.applies(events)
+    ops = False
 
     def cell(cid: int):
         try:
@@ -216,11 +280,16 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
                 rt.acquire(inputs)
             if "reserve" in event:
                 rt.reserve(event["reserve"], event["name"])
+            elif emulate:
+                room.before(rt, event)  # type: ignore[union-attr]
             rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
             mutated = [(cell(c).storage, _DATA) for c in event["mut"]]
             fresh = [(n, _DATA, None if b is None else cell(b)) for n, b in event["new"]]
             outs = rt.complete(rec, mutated, fresh)
             cost += event["cost"]
+            if room is not None:
+                room.made(event)  # the driver learns from an op refused after it ran, too
+                ops = True
             if failed:  # the program never got the outputs: nothing refers to them
                 rt.acquire(outs)
                 rt.unlock(outs)
@@ -250,6 +319,8 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]]) -> float:
                 })
         elif kind == "end":
             rt.close(event.get("failed", False))
+            if room is not None and ops and not event.get("failed"):
+                room.every = False
         elif kind != "begin":
             raise ValueError(f"dtr: unknown trace event {kind!r}")
     return cost
