@@ -21,7 +21,7 @@
    on CPU) and one step's swap / remat mix. On CPU the host tier is a second copy in RAM,
    which the measured peak includes.
 
-    python benchmarks/bench_swap.py                   # simulated, ~1 minute
+    python benchmarks/bench_swap.py                   # simulated, every shipped trace: ~35 minutes
     python benchmarks/bench_swap.py --real            # adds real steps, a few minutes
     python benchmarks/bench_swap.py --real-only --device cuda   # the GPU rows only
 
