@@ -544,7 +544,9 @@ class Driver(Views, Gradients, HostCopies):
         before every op hides a stage's growth from them (evicting older storages first), so
         the seeded step replays more than its plan (tests/test_seeding.py's bounds). Later an
         output larger than any the engine has made (a longer sequence) is not anticipated: the
-        peak can pass the budget by it once.
+        peak can pass the budget by it once. The simulator repeats this rule for traces recorded
+        without a budget (``dtr.sim.simulator.RoomBeforeOps``; tests/test_sim.py checks that
+        the two agree), so a change here is a change there.
         Returns the size's key, for the caller to correct it by what the op made.
         """
         key, nbytes = output_size.output_bytes(func, args, kwargs)

@@ -5,7 +5,8 @@ The simulator is a driver, not a model of the engine: it feeds a trace's events 
 returns placeholder values and the recorded cost of the op. Every eviction, recomputation and
 byte count therefore comes from the code that runs under ``dtr.budget``; only the kernels and
 the clock are fake (the runtime's logical op clock orders accesses, and recorded costs stand
-in for time).
+in for time). Of the eager driver it repeats one rule, the room it makes before an op
+(``RoomBeforeOps``), for traces recorded without a budget, which do not record that room.
 """
 
 from __future__ import annotations
