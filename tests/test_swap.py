@@ -128,10 +128,9 @@ def test_prefetch_reduces_synchronous_swap_ins_on_the_next_step():
 
 def test_a_prefetch_with_no_room_when_due_waits_for_room_and_pays_for_being_late():
     # The bench LSTM's trace, two identical steps at 0.4 of peak and 50 GB/s: when some
-    # prefetches fall due the budget is full. They wait for the room later ops free
-    # (prefetching only at the due clock left 5 of the 10 swap-ins synchronous in the second
-    # step), and the part of a transfer that the ops left before its need no longer cover
-    # counts as a stall: here most of it. Of the first step's 16 swap-ins the second step
+    # prefetches fall due the budget is full. They wait for the room later ops free, and the
+    # part of a transfer that the ops left before its need no longer cover counts as a stall:
+    # here most of it. Of the first step's 16 swap-ins the second step
     # prefetches 13; the other 3 are swapped out by the room made before the op just ahead of
     # their need (the host tier picks what to swap out without the previous block's needs),
     # too late for any prefetch.

@@ -205,11 +205,10 @@ class RoomBeforeOps:
     carries the driver's own ``reserve`` events instead (with the meta device's sizes), and
     is replayed as it is.
 
-    Without it, a budget simulated on an unlimited run's trace evicts for each op only after
-    the op, with its outputs locked too, where the real run had made room before: peaks passed
-    the budget by an op, other storages were evicted, and the bench ``nn.GRU``, which runs for
-    real at 0.62 of its peak, was infeasible in simulation below 0.65. One per simulated
-    engine: it carries what it learned from block to block.
+    Without it, a budget simulated on an unlimited run's trace would evict for each op only
+    after the op, with its outputs locked too, where a real run makes room before: the peak
+    would pass the budget by an op, and other storages would go (docs/heuristics.md has the
+    measurements). One per simulated engine: it carries what it learned from block to block.
     """
 
     __slots__ = ("largest", "every")
