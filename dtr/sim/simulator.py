@@ -211,24 +211,20 @@ class RoomBeforeOps:
     measurements). One per simulated engine: it carries what it learned from block to block.
     """
 
-    __slots__ = ("largest", "every")
+    __slots__ = ("largest", "every", "_ops")
 
     def __init__(self) -> None:
         self.largest = 0  # the largest new storage an op has made
         self.every = True  # no block with ops has ended: every op is sized
+        self._ops = False  # the block running has had an op
 
     @classmethod
     def having_run(cls, blocks: List[List[Dict[str, Any]]]) -> "RoomBeforeOps":
         """The state of an engine that has run ``blocks`` (a trace's earlier blocks)."""
         room = cls()
         for events in blocks:
-            ops = False
             for e in events:
-                if e["e"] == "op":
-                    room.made(e)
-                    ops = True
-                elif e["e"] == "end" and ops and not e.get("failed"):
-                    room.every = False
+                room.saw(e)
         return room
 
     @staticmethod
@@ -246,11 +242,19 @@ class RoomBeforeOps:
         if nbytes and (self.every or rt.memory + self.largest > budget):
             rt.reserve(nbytes, event["name"])
 
-    def made(self, event: Dict[str, Any]) -> None:
-        """The op ``event`` completed."""
-        for n, base in event["new"]:
-            if base is None and n > self.largest:
-                self.largest = n
+    def saw(self, event: Dict[str, Any]) -> None:
+        """Learn from ``event`` once it has run: an op's new storages (also of an op refused
+        after it ran, as the driver does), or a block's end."""
+        kind = event["e"]
+        if kind == "op":
+            self._ops = True
+            for n, base in event["new"]:
+                if base is None and n > self.largest:
+                    self.largest = n
+        elif kind == "end":
+            if self._ops and not event.get("failed"):
+                self.every = False
+            self._ops = False
 
 
 def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBeforeOps] = None) -> float:
@@ -263,7 +267,6 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
     wrappers: Dict[int, _Wrapper] = {}
     cost = 0.0
     emulate = room is not None and room.applies(events)
-    ops = False
 
     def cell(cid: int):
         try:
@@ -288,8 +291,7 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
             outs = rt.complete(rec, mutated, fresh)
             cost += event["cost"]
             if room is not None:
-                room.made(event)  # the driver learns from an op refused after it ran, too
-                ops = True
+                room.saw(event)
             if failed:  # the program never got the outputs: nothing refers to them
                 rt.acquire(outs)
                 rt.unlock(outs)
@@ -319,8 +321,8 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
                 })
         elif kind == "end":
             rt.close(event.get("failed", False))
-            if room is not None and ops and not event.get("failed"):
-                room.every = False
+            if room is not None:
+                room.saw(event)
         elif kind != "begin":
             raise ValueError(f"dtr: unknown trace event {kind!r}")
     return cost
