@@ -99,3 +99,20 @@ def test_the_cuda_cost_mode_does_not_synchronize(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats().rematerializations > before
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_a_refused_step_raises_out_of_budget_while_memory_history_records(name):
+    """With the allocator's history recorded (``stacks="python"``), freeing a refused output
+    runs Python inside the deallocator, which cleared the pending error: the native path then
+    returned NULL with no error set (``SystemError``). Its error exits hold the error aside
+    while they let go (Note [Letting go with an error pending] in dtr_ext/hotpath.c)."""
+    w = workload(name)
+    unlimited = run_step(w, fresh_model(w), None, cost="estimate").stats
+    model = fresh_model(w)
+    torch.cuda.memory._record_memory_history(stacks="python")
+    try:
+        with pytest.raises(dtr.OutOfBudgetError):
+            run_step(w, model, dtr.budget(budget_at(unlimited, 0.1), cost="estimate"))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
