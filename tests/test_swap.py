@@ -130,18 +130,20 @@ def test_a_prefetch_with_no_room_when_due_waits_for_room_and_pays_for_being_late
     # The bench LSTM's trace, two identical steps at 0.4 of peak and 50 GB/s: when some
     # prefetches fall due the budget is full. They wait for the room later ops free, and the
     # part of a transfer that the ops left before its need no longer cover counts as a stall:
-    # here most of it. Of the first step's 16 swap-ins the second step
-    # prefetches 13; the other 3 are swapped out by the room made before the op just ahead of
-    # their need (the host tier picks what to swap out without the previous block's needs),
-    # too late for any prefetch.
+    # here most of it. Of the first step's 16 swap-ins the second step prefetches 13. The other
+    # 3 (the earlier layers' final hidden states, read by the `stack` after the fourth layer)
+    # it keeps: the room made before that layer falls within their prefetch lead, where they
+    # are a last resort (Note [Needed soon]); picked as the stalest, they came back
+    # synchronously.
     trace = load(Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "lstm.jsonl.gz")
     one, two = Trace(trace.header, trace.blocks[:1]), Trace(trace.header, trace.blocks[:1] * 2)
     budget = int(dtr.simulate(one, None).peak_bytes * 0.4)
     first = dtr.simulate(one, budget, swap=True, bandwidth=50e9)
     both = dtr.simulate(two, budget, swap=True, bandwidth=50e9)
     assert first.swaps_in == 16 and first.prefetches == 0
-    assert both.swaps_in - first.swaps_in == 3
+    assert both.swaps_in - first.swaps_in == 0
     assert both.prefetches - first.prefetches == first.swaps_in - 3
+    assert both.swaps_out - first.swaps_out == first.swaps_out - 3
     assert 0 < both.swap_stall - first.swap_stall < first.swap_stall
     assert both.peak_bytes <= budget
 

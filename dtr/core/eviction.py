@@ -27,7 +27,9 @@ Candidates are tried in tiers, and a storage's tier is ``tier`` (the only defini
   frees next to nothing, and recomputing one (a scalar loss, say) can take a long chain.
 
 Protection and being made in a backward pass outrank size: a small protected storage is
-``PROTECTED``, not ``SMALL``.
+``PROTECTED``, not ``SMALL``. With a host tier, the swap-or-evict search also takes an ordinary
+storage that the previous block read within its prefetch lead of now as ``PROTECTED`` (Note
+[Needed soon] in host_tier.py): a rule of that search, which only a host tier's log informs.
 
 Note [Gradients are a last resort]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -106,6 +108,7 @@ class Rescoring:
     ) -> None:
         self._now = now
         key, host = self._key, self._host
+        soon = host.needed_soon if host is not None else None
         heap: list = []
         small: list = []
         last: list = []
@@ -114,6 +117,8 @@ class Rescoring:
                 rec = s.parent
                 if (rec is not None and rec.replayable) or host is not None:
                     t = tier(s, small_below, protected_from)
+                    if t == ORDINARY and soon is not None and soon(s.sid, now):
+                        t = PROTECTED  # Note [Needed soon] in host_tier.py
                     (heap if t == ORDINARY else small if t == SMALL else last).append((key(s, now), s.sid, s))
         heapify(heap)
         self._heap = heap

@@ -28,6 +28,17 @@ simulator counts as a stall). A prefetched storage that the block then reads is 
 the clock it was needed: a block whose prefetches all arrived in time swaps nothing in
 synchronously, and the one after it must still know what to prefetch. One it never reads is
 not logged, so a prefetch the program stopped needing is not repeated.
+
+Note [Needed soon]
+~~~~~~~~~~~~~~~~~~
+A storage whose prefetch clock has passed and whose need has not (by the previous block's log)
+is about to be read: swapped out now, it comes back synchronously, since its prefetch is
+behind the block, and evicted, it is replayed. So while ``needed_soon`` says so, an ordinary
+candidate is a last resort of the swap-or-evict search (``PROTECTED``, Note [Eviction tiers]).
+Without it, the room made before an op just ahead of such a need picked those storages
+first whenever they were the stalest: the bench LSTM's trace at 0.4 of its peak swapped out
+the earlier layers' final hidden states before its fourth layer, and the ``stack`` right after
+read them back synchronously, in every step after the first.
 """
 
 from __future__ import annotations
@@ -125,6 +136,11 @@ class HostTier:
         self.log = SwapLog()
         self._previous = previous
         self._schedule = previous.prefetch_schedule(self.bandwidth) if previous is not None else {}
+        # sid -> the (prefetch clock, need clock) spans of its needs (Note [Needed soon]).
+        self._spans: Dict[int, List[Tuple[int, int]]] = {}
+        for start, needs in self._schedule.items():
+            for t, sid, _ in needs:
+                self._spans.setdefault(sid, []).append((start, t))
         # (storage, need) due for prefetching that did not fit yet, in the order they are needed.
         self._waiting: List[Tuple[Any, Need]] = []
         self.late_seconds = 0.0  # estimated transfer time prefetches left uncovered
@@ -148,6 +164,17 @@ class HostTier:
 
     def fits(self, nbytes: int) -> bool:
         return self.limit is None or self.bytes + nbytes <= self.limit
+
+    def needed_soon(self, sid: int, clock: int) -> bool:
+        """Whether the previous block needed storage ``sid`` within its prefetch lead of
+        ``clock`` (Note [Needed soon])."""
+        spans = self._spans.get(sid)
+        if spans is None:
+            return False
+        for start, t in spans:
+            if start <= clock <= t:
+                return True
+        return False
 
     # ------------------------------------------------------------------ copies
 
