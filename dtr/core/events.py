@@ -108,7 +108,7 @@ def holdings(rt: Any) -> List[Holding]:
         out.append(Holding("gradients", ".grad", len(rt.held), rt.held_bytes))
     outgoing = rt.host.outgoing if rt.host is not None else ()
     if outgoing:
-        out.append(Holding("copies to host", "(swap out)", len(outgoing), sum(s.nbytes for s in outgoing)))
+        out.append(Holding("copies to host", "(swap out)", len(outgoing), rt.host.outgoing_bytes()))
     out.sort(key=lambda h: -h.nbytes)
     return out
 

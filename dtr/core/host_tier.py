@@ -223,6 +223,10 @@ class HostTier:
         else:
             self.outgoing.append(s)
 
+    def outgoing_bytes(self) -> int:
+        """Bytes swapped out whose copy is still running, and so still charged."""
+        return sum(s.nbytes for s in self.outgoing)
+
     def poll_outgoing(self, wait: bool = False) -> None:
         """Stop charging swapped-out storages whose copy has finished (with ``wait``: the
         oldest one at least, waiting for it)."""

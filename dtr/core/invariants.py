@@ -16,7 +16,7 @@ __all__ = ["check"]
 
 def check(rt: Runtime) -> None:
     """Assert that ``rt`` holds its invariants between ops."""
-    memory = rt.held_bytes + (sum(s.nbytes for s in rt.host.outgoing) if rt.host is not None else 0)
+    memory = rt.held_bytes + (rt.host.outgoing_bytes() if rt.host is not None else 0)
     assert rt.held_bytes == sum(rt.held.values()), "held bytes disagree with their keys"
     for s in rt.resident:
         assert s.state is RESIDENT, f"{s} is in the resident set"

@@ -397,7 +397,16 @@ class Runtime:
         """Evict (or swap out) the next victim of a search until ``memory <= target``
         (eviction.py). With ``best_effort`` the caller catches the ``OutOfBudgetError``
         (``reserve``), so no observer snapshots the failure: under a tight budget that happens
-        before most ops."""
+        before most ops.
+
+        Note [Copies in flight]
+        ~~~~~~~~~~~~~~~~~~~~~~~
+        A storage swapped out stays charged until its copy to the host is done (on a GPU it
+        runs on a side stream), so memory does not fall as a round swaps. Once the copies in
+        flight would bring memory to the target, the round waits for them instead of picking
+        more: the copies run in order on one stream, so another swap-out frees nothing sooner,
+        and the storages it takes are what the program reads next. Without the wait, a round
+        on CUDA swapped out every candidate before it waited for one."""
         if self.memory <= target:
             return
         host = self.host
@@ -409,6 +418,9 @@ class Runtime:
             search = Rescoring(self._score, host)
         search.begin(self.resident, self.clock, self._small_below(), self._protected_from)
         while self.memory > target:
+            if host is not None and host.outgoing and self.memory - host.outgoing_bytes() <= target:
+                host.poll_outgoing(wait=True)  # Note [Copies in flight]
+                continue
             s = search.pick()
             if s is None:
                 if host is not None and host.outgoing:  # copies out in flight: wait for one
