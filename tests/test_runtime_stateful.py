@@ -10,10 +10,11 @@ import gc
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from dtr.core import OpRecord, Runtime, make_heuristic
 from dtr.core.events import holdings
+from dtr.core.host_tier import HostTier
 from dtr.errors import OutOfBudgetError
 
 
@@ -289,6 +290,64 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 RuntimeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestRuntime = RuntimeMachine.TestCase
+
+
+class SwappingExecutor(FakeExecutor):
+    """``FakeExecutor`` with a host tier whose copies out finish only when the runtime waits
+    for them or the program lets time pass (``SwappingMachine.copies_finish``), as on a GPU's
+    side stream. A handle is ``[value, done]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight = []
+
+    def swap_out(self, value):
+        handle = [value, False]
+        self.in_flight.append(handle)
+        return handle
+
+    @staticmethod
+    def swap_done(handle):
+        return handle[1]
+
+    @staticmethod
+    def swap_wait(handle):
+        handle[1] = True
+
+    @staticmethod
+    def swap_in(handle):
+        return handle[0], 0.0
+
+    @staticmethod
+    def prefetch(handle):
+        return handle[0], object()
+
+    @staticmethod
+    def arrive(pending):
+        pass
+
+
+class SwappingMachine(RuntimeMachine):
+    """The runtime's stateful test with a host tier (``swap=True``): every candidate can be
+    swapped out instead of evicted, at a bandwidth that makes swapping cheaper or dearer than
+    recomputing, copies out finish late (Note [Copies in flight]), and a host limit now and
+    then sends the rest to eviction. Swapped values come back as the program saw them
+    (``access``, teardown), and the runtime's invariants count the copies in flight."""
+
+    @initialize(bandwidth=st.sampled_from([4.0, 64.0, 1e6]), limit=st.sampled_from([None, 200]))
+    def choose(self, bandwidth, limit):
+        self.ex = SwappingExecutor()
+        self.rt = Runtime(None, make_heuristic("dtr_eq"), self.ex, host=HostTier(bandwidth, limit))
+
+    @rule()
+    def copies_finish(self):
+        for handle in self.ex.in_flight:
+            handle[1] = True
+        self.ex.in_flight.clear()
+
+
+SwappingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestSwappingRuntime = SwappingMachine.TestCase
 
 
 def _op(rt, inputs, nbytes, name, keep):
