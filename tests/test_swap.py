@@ -133,7 +133,7 @@ def test_a_prefetch_with_no_room_when_due_waits_for_room_and_pays_for_being_late
     # here most of it. Of the first step's 16 swap-ins the second step prefetches 13. The other
     # 3 (the earlier layers' final hidden states, read by the `stack` after the fourth layer)
     # it keeps: the room made before that layer falls within their prefetch lead, where they
-    # are a last resort (Note [Needed soon]); picked as the stalest, they came back
+    # are a last resort (Note [Needed soon]); picked as the stalest, they would come back
     # synchronously.
     trace = load(Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "lstm.jsonl.gz")
     one, two = Trace(trace.header, trace.blocks[:1]), Trace(trace.header, trace.blocks[:1] * 2)
@@ -371,8 +371,8 @@ class _CopiesInFlight(SimExecutor):
 
 def test_copies_in_flight_that_cover_the_room_are_waited_for_not_added_to():
     # Swapped-out bytes stay charged until their copy is done. A round that has started copies
-    # enough to make the room waits for them; it swapped out every candidate before (what the
-    # program needed next, too), since memory does not fall while the copies run.
+    # enough to make the room waits for them; without the wait it would swap out every
+    # candidate (what the program reads next, too), since memory does not fall while copies run.
     rt = Runtime(100, make_heuristic("dtr_eq"), _CopiesInFlight(), host=HostTier(FAST, None))
     held = []
     for name, nbytes in (("a", 30), ("b", 30), ("c", 30), ("d", 40)):

@@ -35,10 +35,10 @@ A storage whose prefetch clock has passed and whose need has not (by the previou
 is about to be read: swapped out now, it comes back synchronously, since its prefetch is
 behind the block, and evicted, it is replayed. So while ``needed_soon`` says so, an ordinary
 candidate is a last resort of the swap-or-evict search (``PROTECTED``, Note [Eviction tiers]).
-Without it, the room made before an op just ahead of such a need picked those storages
-first whenever they were the stalest: the bench LSTM's trace at 0.4 of its peak swapped out
-the earlier layers' final hidden states before its fourth layer, and the ``stack`` right after
-read them back synchronously, in every step after the first.
+Without it, the room made before an op just ahead of such a need picks those storages first
+whenever they are the stalest: on the bench LSTM's trace at 0.4 of its peak, the room made
+before the fourth layer would swap out the earlier layers' final hidden states, which the
+``stack`` right after reads, in every step after the first.
 """
 
 from __future__ import annotations

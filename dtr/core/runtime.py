@@ -406,7 +406,7 @@ class Runtime:
         flight would bring memory to the target, the round waits for them instead of picking
         more: the copies run in order on one stream, so another swap-out frees nothing sooner,
         and the storages it takes are what the program reads next. Without the wait, a round
-        on CUDA swapped out every candidate before it waited for one."""
+        on CUDA would swap out every candidate before waiting for one."""
         if self.memory <= target:
             return
         host = self.host
