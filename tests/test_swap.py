@@ -381,3 +381,33 @@ def test_copies_in_flight_that_cover_the_room_are_waited_for_not_added_to():
         rt.track(held[-1], c)
     assert rt.counters.swaps_out == 1 and rt.executor.waited == 1
     assert rt.memory == 100 and not rt.host.outgoing
+
+
+def test_a_replay_leaves_a_swapped_sibling_on_the_host():
+    # y and z are the two outputs of one op; a refused op made room by evicting y and swapping
+    # z out. Rebuilding y replays the op, which computes z too: z stays on the host, since the
+    # replay made room for y alone (it used to take the value and stay SWAPPED, uncharged).
+    rt = Runtime(20, make_heuristic("dtr_eq"), SimExecutor(), host=HostTier(4.0, None))
+    held = []
+
+    def op(name, inputs, sizes, replayable=True):
+        rt.acquire(inputs)
+        cells = rt.complete(OpRecord(name, inputs, None, 2.0, replayable), [], [(n, _DATA, None) for n in sizes])
+        for c in cells:
+            held.append(_Wrapper())
+            rt.track(held[-1], c)
+        return cells
+
+    (x,) = op("x", [], [1], replayable=False)
+    y, z = op("yz", [x], [12, 7])
+    with pytest.raises(dtr.OutOfBudgetError):
+        op("big", [], [6400])
+    assert (y.state.name, z.state.name) == ("EVICTED", "SWAPPED")
+    rt.acquire([y])
+    rt.unlock([y])
+    assert y.state.name == "RESIDENT" and z.state.name == "SWAPPED" and z.value is None
+    rt.check_invariants()
+    rt.acquire([z])  # back from the host
+    rt.unlock([z])
+    assert z.value is not None
+    rt.check_invariants()

@@ -348,8 +348,8 @@ def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
             continue
         s = cell.storage
         state = s.state
-        if state is RELEASED:
-            continue
+        if state is RELEASED or state is SWAPPED:
+            continue  # a swapped sibling stays on the host: no room was made for it
         if cell is s.root:
             if state is EVICTED:
                 s.state = RESIDENT
