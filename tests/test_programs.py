@@ -359,12 +359,15 @@ def run_eager(program, seed: int) -> Optional[Outcome]:
     return out
 
 
-def run_dtr(program, seed: int, limit) -> Outcome:
+def run_dtr(program, seed: int, limit, bandwidth: Optional[float] = None) -> Outcome:
+    """The program under ``dtr.budget(limit)``, swapping to the host at ``bandwidth`` (bytes/s)
+    when one is given."""
     inputs = make_inputs(seed)
+    swapping = {} if bandwidth is None else {"swap": True, "bandwidth": bandwidth}
     with warnings.catch_warnings():
         # "ops were replayed at block exit": expected whenever evicted pool tensors survive.
         warnings.simplefilter("ignore")
-        with dtr.budget(limit, cost="estimate") as engine:
+        with dtr.budget(limit, cost="estimate", **swapping) as engine:
             out = execute(program, seed, *inputs)
     out.stats = engine.stats()
     return out
@@ -404,9 +407,9 @@ def assert_same(got: Outcome, want: Outcome) -> None:
             assert torch.allclose(x, z, rtol=1e-5, atol=1e-6, equal_nan=True), f"grad of leaf {n} vs default eager"
 
 
-def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.Stats]:
+def check(program, seed: int, fraction: float, eager: Outcome, bandwidth: Optional[float] = None) -> Optional[dtr.Stats]:
     """The property for one program and budget, given eager's outcome; the budgeted run's
-    stats, or None if it ran out of budget."""
+    stats (swapping at ``bandwidth`` when given), or None if it ran out of budget."""
     tracked = run_dtr(program, seed, None)
     assert_same(tracked, eager)
     # No evictions for the budget; storages the program dropped may still be evicted
@@ -414,7 +417,7 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
     assert tracked.stats.evictions == 0
     limit = budget_at(tracked.stats, fraction)
     try:
-        got = run_dtr(program, seed, limit)
+        got = run_dtr(program, seed, limit, bandwidth)
     except dtr.OutOfBudgetError:
         return None
     assert_same(got, eager)
@@ -428,7 +431,10 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
     # The explain phase reruns a failure hundreds of times; the shrunk program says enough.
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
 )
-@given(program=programs, seed=st.integers(0, 2**16), fraction=st.floats(0.05, 1.2))
+# Swapping as well (``swap=True``) at a bandwidth where copies cost about what replays do, and at
+# one where they cost next to nothing; None: remat only, half the examples.
+@given(program=programs, seed=st.integers(0, 2**16), fraction=st.floats(0.05, 1.2),
+       bandwidth=st.sampled_from([None, None, 1e4, 1e12]))
 # Counterexample found by this test, kept so that it is tried on every run.
 # An in-place write through a slice, reading a view of a parameter, recomputed during
 # backward: the replay derives the slice with grad mode off, then runs add_ with the recorded
@@ -439,6 +445,7 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
              ("slice_add_", 0, 0, 0)],
     seed=0,
     fraction=0.5,
+    bandwidth=None,
 )
 # An in-place add to a tensor whose select view was written before: the view's backward is
 # rebuilt, and default eager's gradient differs from dtr's in the last bit of one element.
@@ -448,6 +455,7 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
              ("add_", 3, 0, 0)],
     seed=2,
     fraction=1.0,
+    bandwidth=None,
 )
 # An in-place view change of a constant (made before the block) that recorded ops read: they
 # hold that tensor object, and a replay used its new shape.
@@ -456,8 +464,9 @@ def check(program, seed: int, fraction: float, eager: Outcome) -> Optional[dtr.S
              ("unsqueeze_", 0, 0, 0)],
     seed=0,
     fraction=0.5,
+    bandwidth=None,
 )
-def test_random_program_matches_eager_or_runs_out_of_budget(program, seed, fraction):
+def test_random_program_matches_eager_or_runs_out_of_budget(program, seed, fraction, bandwidth):
     eager = run_eager(program, seed)
     # dtr only has to agree with eager where eager succeeds.
     assume(eager is not None)
@@ -465,7 +474,9 @@ def test_random_program_matches_eager_or_runs_out_of_budget(program, seed, fract
         event("in-place writes")
     if "dropout" in eager.ran:
         event("dropout")
-    stats = check(program, seed, fraction, eager)
+    stats = check(program, seed, fraction, eager, bandwidth)
+    if stats is not None and stats.swaps_out:
+        event("swapped")
     if stats is None:
         event("out of budget")
     elif stats.rematerializations:
