@@ -386,7 +386,8 @@ def test_copies_in_flight_that_cover_the_room_are_waited_for_not_added_to():
 def test_a_replay_leaves_a_swapped_sibling_on_the_host():
     # y and z are the two outputs of one op; a refused op made room by evicting y and swapping
     # z out. Rebuilding y replays the op, which computes z too: z stays on the host, since the
-    # replay made room for y alone (it used to take the value and stay SWAPPED, uncharged).
+    # replay made room for y alone (taking the value would leave z SWAPPED with a value, its
+    # bytes uncharged).
     rt = Runtime(20, make_heuristic("dtr_eq"), SimExecutor(), host=HostTier(4.0, None))
     held = []
 
