@@ -295,11 +295,12 @@ TestRuntime = RuntimeMachine.TestCase
 class SwappingExecutor(FakeExecutor):
     """``FakeExecutor`` with a host tier whose copies out finish only when the runtime waits
     for them or the program lets time pass (``SwappingMachine.copies_finish``), as on a GPU's
-    side stream. A handle is ``[value, done]``."""
+    side stream. A handle is ``[value, done]``; ``waited`` counts the runtime's waits."""
 
     def __init__(self):
         super().__init__()
         self.in_flight = []
+        self.waited = 0
 
     def swap_out(self, value):
         handle = [value, False]
@@ -310,8 +311,8 @@ class SwappingExecutor(FakeExecutor):
     def swap_done(handle):
         return handle[1]
 
-    @staticmethod
-    def swap_wait(handle):
+    def swap_wait(self, handle):
+        self.waited += 1
         handle[1] = True
 
     @staticmethod

@@ -23,6 +23,7 @@ from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 
 from conftest import DEVICE, workload
+from test_runtime_stateful import SwappingExecutor
 
 FAST = 1e15  # bytes/s: swapping costs next to nothing
 SLOW = 1.0  # bytes/s: swapping costs more than any recomputation
@@ -349,31 +350,11 @@ def test_prefetches_land_before_their_reads(device):
     assert engine.stats().prefetches > 0
 
 
-class _CopiesInFlight(SimExecutor):
-    """The simulator's executor, with a copy out that is done only once waited for (as on a
-    GPU, where it runs on a side stream)."""
-
-    def __init__(self) -> None:
-        self.waited = 0
-
-    @staticmethod
-    def swap_out(value):
-        return [value, False]
-
-    @staticmethod
-    def swap_done(handle) -> bool:
-        return handle[1]
-
-    def swap_wait(self, handle) -> None:
-        self.waited += 1
-        handle[1] = True
-
-
 def test_copies_in_flight_that_cover_the_room_are_waited_for_not_added_to():
     # Swapped-out bytes stay charged until their copy is done. A round that has started copies
     # enough to make the room waits for them; without the wait it would swap out every
     # candidate (what the program reads next, too), since memory does not fall while copies run.
-    rt = Runtime(100, make_heuristic("dtr_eq"), _CopiesInFlight(), host=HostTier(FAST, None))
+    rt = Runtime(100, make_heuristic("dtr_eq"), SwappingExecutor(), host=HostTier(FAST, None))
     held = []
     for name, nbytes in (("a", 30), ("b", 30), ("c", 30), ("d", 40)):
         (c,) = rt.complete(OpRecord(name, [], None, 1.0, False), [], [(nbytes, _DATA, None)])
