@@ -78,6 +78,38 @@ def _chain(n=12, width=64, batch=64):
     return model, torch.randn(batch, width)
 
 
+def test_out_of_budget_error_names_the_gradient_sums_the_backward_pass_holds():
+    """A tensor used three times gets its gradients summed, and the running sum that takes the
+    third is kept for good (Note [Accumulation in place]); an op that finds no room next to it
+    says how many of the bytes it cannot free the backward pass made, and what they are."""
+    n = 64
+    nbytes = n * n * 4
+    x = torch.randn(n, n, requires_grad=True)
+    errors = []
+
+    def too_large(g):
+        try:
+            torch.cat([g.sin()] * 64)  # under the budget, 64 tensors' bytes cannot fit
+        except dtr.OutOfBudgetError as e:
+            errors.append(str(e))  # not the error: its traceback would keep the hook's tensors
+
+    def step():
+        a = x * 2
+        a.register_hook(too_large)
+        (a.sin() + a.cos() + a * a).sum().backward()
+
+    step()
+    eager, x.grad = x.grad, None
+    errors.clear()
+    with dtr.budget(32 * nbytes, cost="estimate") as engine:
+        step()
+        engine.check_invariants()
+    assert torch.equal(x.grad, eager)
+    (err,) = errors
+    assert f"{nbytes} of them made by the backward pass" in err
+    assert "running sums of the gradients of tensors used several times" in err
+
+
 def test_out_of_budget_error_and_recovery():
     model, x = _chain()
     ref = [p.detach().clone() for p in model.parameters()]

@@ -170,16 +170,27 @@ def out_of_budget(rt: Runtime, target: int, opname: str, best_effort: bool = Fal
     """The error of a search that ran out of candidates before ``rt`` was down to ``target``,
     saying what holds the memory. Told to ``rt.events`` unless ``best_effort`` (a caller that
     catches it: no snapshot)."""
-    locked = unrecomputable = 0
+    locked = unrecomputable = from_backward = 0
     for s in rt.resident:
         if s.locks:
             locked += s.nbytes
         elif not s.recomputable:
             unrecomputable += s.nbytes
+            if s.backward:
+                from_backward += s.nbytes
     needed = locked + unrecomputable + rt.held_bytes + rt.outside
+    # What a backward pass made and cannot recompute is mostly the running sums of gradients
+    # (Note [Accumulation in place]), which eager holds too: saying so tells the user that the
+    # model, not the heuristic, sets that part of the floor.
+    why = (
+        f"no replayable lineage; {from_backward} of them made by the backward pass, such as the "
+        "running sums of the gradients of tensors used several times, which eager holds too"
+        if from_backward
+        else "no replayable lineage"
+    )
     detail = (
         f"{locked} bytes are locked (inputs and outputs of the operations in flight), "
-        f"{unrecomputable} bytes cannot be recomputed (no replayable lineage) and "
+        f"{unrecomputable} bytes cannot be recomputed ({why}) and "
         f"{rt.held_bytes} bytes are gradients made in this block (charged until it ends)."
     )
     if rt.outside:
