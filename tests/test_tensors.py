@@ -1,6 +1,7 @@
 """Tensors under dtr behave like eager tensors: inside the block, after it, and in the hands
 of optimizers, checkpoints and other threads."""
 
+import ast
 import io
 import pickle
 import threading
@@ -262,7 +263,14 @@ print(dict(counters["unimplemented"]) or "traced nothing it cannot")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == ["no dynamo", "True", "traced nothing it cannot"], out.stdout
+    imported, same, untraced = out.stdout.splitlines()
+    assert (imported, same) == ("no dynamo", "True"), out.stdout
+    if torch.__version__ >= (2, 5):
+        assert untraced == "traced nothing it cannot", out.stdout
+    else:
+        # torch 2.4's dynamo cannot trace the wrapper's own methods (``DTRTensor.__mul__``): it
+        # breaks the graph there, before the engine, and runs that frame eagerly.
+        assert all("(DTRTensor)" in k for k in ast.literal_eval(untraced)), out.stdout
 
 
 @pytest.mark.parametrize("change", [
