@@ -1,0 +1,125 @@
+"""dtr's cost per op in instructions executed, counted by valgrind's callgrind: a figure that
+does not move with the machine's speed or load (issue 20, beside the wall times of
+``bench_runtime.py --sections small``).
+
+Workloads: the small-op loops of ``bench_runtime.py`` (``--ops`` forward ops on 64x64
+float32), in three modes: eager; ``floor``, a mode that only calls each op
+(``RawPassThrough``); ``dtr``, ``dtr.budget(None)``. Each mode runs twice untimed, then
+``--runs`` times inside one call of ``functools.reduce``: callgrind counts only inside that C
+function (``--toggle-collect``) and writes one count per call (``--dump-after``), so the
+interpreter's start, imports and warm-up are left out. Per op is the count over the ops the
+``CountOps`` mode sees (as bench_runtime.py divides); "beyond floor" is (dtr - floor) per op.
+Instructions are not time (a cache miss costs more than an add), but a change that removes
+work removes instructions, on any machine.
+
+    .venv/bin/python benchmarks/op_instructions.py                 # ~6 min on the 2-core VM
+    .venv/bin/python benchmarks/op_instructions.py --workloads elementwise --runs 3
+
+Needs ``valgrind`` on the PATH and a Python whose ``libpython`` keeps its symbols
+(``functools_reduce``); says so otherwise. Prints a table and appends it, with commit,
+machine and torch version, to ``benchmarks/results/op_instructions.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import dtr
+from bench_runtime import RawPassThrough, count_ops, small_workloads
+from provenance import commit, machine
+
+MODES = ("eager", "floor", "dtr")
+WORKLOADS = ("elementwise", "matmul", "matmul_fwd_bwd", "in_place", "two_outputs")
+
+
+def _runner(fn, mode):
+    def run():
+        if mode == "floor":
+            with RawPassThrough():
+                fn()
+        elif mode == "eager":
+            fn()
+        else:
+            with dtr.budget(None):
+                fn()
+
+    return run
+
+
+def child(workloads, ops: int, runs: int) -> None:
+    """Runs under callgrind: one counted ``functools.reduce`` per workload and mode."""
+    torch.set_num_threads(1)
+    for name in workloads:
+        fn = small_workloads(ops)[name]
+        for mode in MODES:
+            run = _runner(fn, mode)
+            run()
+            run()
+            gc.collect()
+            functools.reduce(lambda _, f: f(), [run] * runs, None)
+
+
+def _count(dump: Path) -> int:
+    for line in dump.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump}: no instruction total")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--ops", type=int, default=200, help="forward ops per loop")
+    parser.add_argument("--runs", type=int, default=5, help="counted runs per workload and mode")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "op_instructions.jsonl"))
+    args = parser.parse_args()
+    if args.child:
+        child(args.workloads, args.ops, args.runs)
+        return
+    if shutil.which("valgrind") is None:
+        sys.exit("op_instructions.py: valgrind is not on the PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cg.out"
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
+               "--dump-after=functools_reduce", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
+               "--ops", str(args.ops), "--runs", str(args.runs), "--workloads", *args.workloads]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # One dump per counted call, numbered from 1 in order; a count of zero or a dump more
+        # means the toggle did not bracket exactly the counted calls.
+        dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
+        counts = [_count(d) for d in dumps]
+    if len(counts) != len(args.workloads) * len(MODES) or not all(counts):
+        sys.exit(f"op_instructions.py: {len(counts)} counts for {len(args.workloads) * len(MODES)} calls "
+                 f"(zero: {counts.count(0)}); is libpython stripped of functools_reduce, or does the "
+                 f"measured code call functools.reduce?")
+    stamp = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "ops": args.ops,
+             "runs": args.runs}
+    print(f"# {stamp['machine']}  commit {stamp['commit']}  torch {stamp['torch']}; instructions per op "
+          f"(callgrind), {args.runs} runs of {args.ops}-op loops")
+    print(f"{'workload':<15} {'ops':>5} {'eager':>8} {'floor':>8} {'dtr':>8} {'beyond floor':>12}")
+    rows = []
+    with open(args.out, "a") as f:
+        for i, name in enumerate(args.workloads):
+            n = count_ops(small_workloads(args.ops)[name]) * args.runs
+            eager, floor, mine = (c / n for c in counts[3 * i:3 * i + 3])
+            row = dict(stamp, workload=name, ops_per_run=n // args.runs, eager=round(eager), floor=round(floor),
+                       dtr=round(mine), beyond_floor=round(mine - floor))
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            print(f"{name:<15} {row['ops_per_run']:>5} {row['eager']:>8} {row['floor']:>8} {row['dtr']:>8} "
+                  f"{row['beyond_floor']:>12}")
+
+
+if __name__ == "__main__":
+    main()
