@@ -68,10 +68,28 @@ class Rescored(Heuristic):
         return self.inner.score(s, now)
 
 
+class TimedRuntime(Runtime):
+    """A ``Runtime`` whose eviction loop is timed from outside once ``timing`` is set."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timing = False
+        self.spent = 0.0
+
+    def _evict_to(self, target: int, opname: str, best_effort: bool = False) -> None:
+        if not self.timing:
+            return super()._evict_to(target, opname, best_effort)
+        start = time.perf_counter()
+        try:
+            return super()._evict_to(target, opname, best_effort)
+        finally:
+            self.spent += time.perf_counter() - start
+
+
 def run(heuristic, storages: int, ops: int, seed: int, warmup: int = 10) -> dict:
     """One run: build the pool, force ``warmup`` evictions, then time ``ops`` more."""
     rng = random.Random(seed)
-    rt = Runtime(None, heuristic, Executor())
+    rt = TimedRuntime(None, heuristic, Executor())
     held: List[Handle] = []
     cells = []
 
@@ -91,22 +109,11 @@ def run(heuristic, storages: int, ops: int, seed: int, warmup: int = 10) -> dict
     for i in range(storages):
         op(i, rng.randint(1, 16) * 1024)
     rt.set_budget(rt.memory)
-    spent = 0.0
-    evict_to = rt._evict_to  # the eviction loop, timed from outside
-
-    def timed(target, opname):
-        nonlocal spent
-        start = time.perf_counter()
-        try:
-            evict_to(target, opname)
-        finally:
-            spent += time.perf_counter() - start
-
     # The first round registers the whole pool with the candidate index (a one-off of the
     # first eviction in a run; later rounds register the few storages made since): untimed.
     for i in range(warmup):
         op(storages + i, 16 * 1024)
-    rt._evict_to = timed
+    rt.timing = True
     before = rt.counters.evictions
     gc.disable()
     try:
@@ -116,7 +123,7 @@ def run(heuristic, storages: int, ops: int, seed: int, warmup: int = 10) -> dict
         gc.enable()
     evictions = rt.counters.evictions - before
     rt.check_invariants()
-    return {"us_per_eviction": spent / evictions * 1e6, "evictions": evictions}
+    return {"us_per_eviction": rt.spent / evictions * 1e6, "evictions": evictions}
 
 
 def main() -> None:

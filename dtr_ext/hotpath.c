@@ -72,8 +72,8 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
 
-static PyTypeObject *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref, *T_UFNode,
-    *T_DTREq;
+static PyTypeObject *T_Runtime, *T_Tensor, *T_DTRTensor, *T_Storage, *T_Cell, *T_OpRecord, *T_Call, *T_Ref,
+    *T_UFNode, *T_DTREq;
 static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws, *O_dtreq_on_evict,
     *O_dtreq_on_release, *O_constants_forget, *O_constants_use, *O_ARGMINS, *O_LOG_LIMIT,
     *O_dtreq_key, *O_heappush, *O_heappop, *O_TOL, *O_F32_MAX, *O_make_room, *O_output_bytes,
@@ -125,6 +125,17 @@ static Py_ssize_t record_off[K_RECORD];
 enum { U_parent, U_cost, U_size, U_N };
 static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
+/* The Runtime fields this file reads and writes (Note [Runtime slots] in dtr/core/runtime.py). */
+enum {
+    R_memory, R__untrack, R_resident, R_budget, R_work, R__high, R__dead, R__all, R_on_op, R_host,
+    R_executor, R_counters, R_clock, R_arriving, R__wrapper_died, R__views_alias_data, R__sid,
+    R__refs, R__on_release, R__on_evict, R__index, R__backward, R_lock, R_N
+};
+static const char *R_NAMES[R_N] = {
+    "memory", "_untrack", "resident", "budget", "work", "_high", "_dead", "_all", "on_op", "host",
+    "executor", "counters", "clock", "arriving", "_wrapper_died", "_views_alias_data", "_sid",
+    "_refs", "_on_release", "_on_evict", "_index", "_backward", "lock"};
+static Py_ssize_t R_off[R_N];
 
 /* Interned attribute names. */
 static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A__make_room,
@@ -209,6 +220,53 @@ static int set_attr_ll(PyObject *o, PyObject *name, long long n) {
     Py_DECREF(w);
     return r;
 }
+
+/* ``rt.<name>`` (a new reference): one load where ``rt`` is a Runtime (Note [Runtime slots]),
+ * the attribute where it is a subclass, which may shadow a field. */
+static inline PyObject *rt_get(PyObject *rt, int k, PyObject *name) {
+    if (Py_IS_TYPE(rt, T_Runtime)) {
+        PyObject *v = SLOT(rt, R_off[k]);
+        if (v != NULL) return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(rt, name);
+}
+
+/* ``rt.<name> = v`` (``v`` borrowed). */
+static inline int rt_set(PyObject *rt, int k, PyObject *name, PyObject *v) {
+    if (!Py_IS_TYPE(rt, T_Runtime)) return PyObject_SetAttr(rt, name, v);
+    set_slot(rt, R_off[k], v);
+    return 0;
+}
+
+static int rt_ll(PyObject *rt, int k, PyObject *name, long long *out) {
+    PyObject *v = rt_get(rt, k, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int rt_set_ll(PyObject *rt, int k, PyObject *name, long long n) {
+    PyObject *w = PyLong_FromLongLong(n);
+    if (w == NULL) return -1;
+    int r = rt_set(rt, k, name, w);
+    Py_DECREF(w);
+    return r;
+}
+
+/* ``rt.<name> += delta`` for an int field; the new value in ``*out`` if given. */
+static int rt_add(PyObject *rt, int k, PyObject *name, long long delta, long long *out) {
+    long long n;
+    if (rt_ll(rt, k, name, &n) < 0) return -1;
+    if (out) *out = n + delta;
+    return rt_set_ll(rt, k, name, n + delta);
+}
+
+#define RT_GET(rt, f) rt_get(rt, R_##f, A_##f)
+#define RT_SET(rt, f, v) rt_set(rt, R_##f, A_##f, v)
+#define RT_LL(rt, f, out) rt_ll(rt, R_##f, A_##f, out)
+#define RT_SET_LL(rt, f, n) rt_set_ll(rt, R_##f, A_##f, n)
+#define RT_ADD(rt, f, d, out) rt_add(rt, R_##f, A_##f, d, out)
 
 /* Python's ``untrack`` of dtr/core/collector.py, for objects that are never weakrefs with a callback. */
 static inline void gc_untrack(PyObject *o) {
@@ -349,7 +407,7 @@ static int forget_kept(PyObject *constants, PyObject *consts) {
 /* rt.executor.forget(rec). The driver's is Constants.forget: a record whose constants all keep a
  * use is done here (``forget_kept``); other records go to Python. */
 static int forget(PyObject *rt, PyObject *rec) {
-    PyObject *executor = PyObject_GetAttr(rt, A_executor);
+    PyObject *executor = RT_GET(rt, executor);
     PyObject *fn = executor ? PyObject_GetAttr(executor, A_forget) : NULL;
     Py_XDECREF(executor);
     if (fn == NULL) return -1;
@@ -410,7 +468,7 @@ static PyObject *uf_find(PyObject *node);
  * listening (``_log`` a list), ``_lower(s.deps(), s.cost)``; then ``_leave``. Other hooks are
  * called. */
 static int on_release(PyObject *rt, PyObject *s) {
-    PyObject *hook = PyObject_GetAttr(rt, A__on_release);
+    PyObject *hook = RT_GET(rt, _on_release);
     if (hook == NULL) return -1;
     if (!(PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_release &&
           Py_TYPE(PyMethod_GET_SELF(hook)) == T_DTREq)) {
@@ -464,14 +522,14 @@ static int release_one(PyObject *rt, PyObject *s, PyObject *work) {
     if (PyErr_Occurred()) return -1;
     if (state == O_RELEASED || refs || uses || locks) return 0;
     if (state == O_RESIDENT) {
-        PyObject *resident = PyObject_GetAttr(rt, A_resident);
+        PyObject *resident = RT_GET(rt, resident);
         if (resident == NULL) return -1;
         int r = PyObject_DelItem(resident, s);
         Py_DECREF(resident);
         long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
-        if (r < 0 || (nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
+        if (r < 0 || (nbytes == -1 && PyErr_Occurred()) || RT_ADD(rt, memory, -nbytes, NULL) < 0) return -1;
     } else if (state == O_SWAPPED) {
-        PyObject *host = PyObject_GetAttr(rt, A_host);
+        PyObject *host = RT_GET(rt, host);
         PyObject *r = host ? PyObject_CallMethodOneArg(host, A_leave, s) : NULL;
         Py_XDECREF(host);
         if (r == NULL) return -1;
@@ -479,12 +537,12 @@ static int release_one(PyObject *rt, PyObject *s, PyObject *work) {
     }
     set_slot(s, S_off[S_state], O_RELEASED);
     /* Runtime._leave_graph(s) */
-    PyObject *all = PyObject_GetAttr(rt, A__all);
+    PyObject *all = RT_GET(rt, _all);
     if (all == NULL) return -1;
     int r = PyObject_DelItem(all, s);
     Py_DECREF(all);
     if (r < 0) return -1;
-    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    PyObject *untrack = RT_GET(rt, _untrack);
     if (untrack == NULL) return -1;
     if (untrack != Py_None && untrack_gc && !PyObject_GC_IsTracked(s)) PyObject_GC_Track(s);
     Py_DECREF(untrack);
@@ -561,7 +619,7 @@ static int unlock(PyObject *rt, PyObject *inputs) {
 
 /* Runtime._drop_values(s) */
 static int drop_values(PyObject *rt, PyObject *s) {
-    PyObject *arriving = PyObject_GetAttr(rt, A_arriving);
+    PyObject *arriving = RT_GET(rt, arriving);
     if (arriving == NULL) return -1;
     int any = PyObject_IsTrue(arriving);
     if (any > 0) {
@@ -1027,22 +1085,22 @@ done:
 /* Runtime._evict(s) */
 static int evict(PyObject *rt, PyObject *s) {
     if (SLOT(s, S_off[S_slot]) != Py_None) { /* it has a row in the candidate index */
-        PyObject *index = PyObject_GetAttr(rt, A__index);
+        PyObject *index = RT_GET(rt, _index);
         PyObject *r = index ? PyObject_CallMethodOneArg(index, A_drop, s) : NULL;
         Py_XDECREF(index);
         if (r == NULL) return -1;
         Py_DECREF(r);
     }
-    PyObject *resident = PyObject_GetAttr(rt, A_resident);
+    PyObject *resident = RT_GET(rt, resident);
     if (resident == NULL) return -1;
     int r = PyObject_DelItem(resident, s);
     Py_DECREF(resident);
     if (r < 0) return -1;
     long long nbytes = PyLong_AsLongLong(SLOT(s, S_off[S_nbytes]));
-    if ((nbytes == -1 && PyErr_Occurred()) || add_attr(rt, A_memory, -nbytes, NULL) < 0) return -1;
+    if ((nbytes == -1 && PyErr_Occurred()) || RT_ADD(rt, memory, -nbytes, NULL) < 0) return -1;
     set_slot(s, S_off[S_state], O_EVICTED);
     if (drop_values(rt, s) < 0) return -1;
-    PyObject *hook = PyObject_GetAttr(rt, A__on_evict);
+    PyObject *hook = RT_GET(rt, _on_evict);
     if (hook == NULL) return -1;
     /* Only DTREq itself: a subclass may keep other objects in ``hdata``. */
     if (PyMethod_Check(hook) && PyMethod_GET_FUNCTION(hook) == O_dtreq_on_evict &&
@@ -1102,7 +1160,7 @@ static int unreferenced(PyObject *rt, PyObject *s) {
     }
     Py_DECREF(it);
     if (PyErr_Occurred() || evict(rt, s) < 0) return -1;
-    PyObject *counters = PyObject_GetAttr(rt, A_counters);
+    PyObject *counters = RT_GET(rt, counters);
     int r = counters ? add_attr(counters, A_eager_evictions, 1, NULL) : -1;
     Py_XDECREF(counters);
     return r;
@@ -1110,7 +1168,7 @@ static int unreferenced(PyObject *rt, PyObject *s) {
 
 /* Runtime.drain: apply queued wrapper deaths. */
 static int drain(PyObject *rt) {
-    PyObject *dead = PyObject_GetAttr(rt, A__dead);
+    PyObject *dead = RT_GET(rt, _dead);
     if (dead == NULL) return -1;
     for (;;) {
         Py_ssize_t n = PyObject_Length(dead);
@@ -1188,11 +1246,11 @@ static void unlock_after_error(PyObject *rt, PyObject *inputs) {
 static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, Py_ssize_t index, PyObject *value,
                              PyObject *now, PyObject *cost) {
     long long sid;
-    if (add_attr(rt, A__sid, 1, &sid) < 0) return NULL;
+    if (RT_ADD(rt, _sid, 1, &sid) < 0) return NULL;
     PyObject *s = T_Storage->tp_alloc(T_Storage, 0);
     if (s == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
-    PyObject *backward = PyObject_GetAttr(rt, A__backward);
+    PyObject *backward = RT_GET(rt, _backward);
     int made_backward = backward ? PyObject_IsTrue(backward) : -1;
     if (zero == NULL || made_backward < 0 || steal_slot(s, S_off[S_sid], PyLong_FromLongLong(sid)) < 0 ||
         steal_slot(s, S_off[S_nbytes], PyLong_FromLongLong(nbytes)) < 0 ||
@@ -1220,16 +1278,16 @@ static PyObject *new_storage(PyObject *rt, long long nbytes, PyObject *rec, Py_s
     set_slot(s, S_off[S_backward], made_backward ? Py_True : Py_False);
     Py_DECREF(backward);
     Py_DECREF(zero);
-    PyObject *resident = PyObject_GetAttr(rt, A_resident);
-    PyObject *all = PyObject_GetAttr(rt, A__all);
-    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    PyObject *resident = RT_GET(rt, resident);
+    PyObject *all = RT_GET(rt, _all);
+    PyObject *untrack = RT_GET(rt, _untrack);
     int ok = resident && all && untrack && PyDict_SetItem(resident, s, Py_None) == 0 &&
              PyDict_SetItem(all, s, Py_None) == 0;
     if (ok && untrack != Py_None && untrack_gc) gc_untrack(s);
     Py_XDECREF(resident);
     Py_XDECREF(all);
     Py_XDECREF(untrack);
-    if (!ok || add_attr(rt, A_memory, nbytes, NULL) < 0) {
+    if (!ok || RT_ADD(rt, memory, nbytes, NULL) < 0) {
         Py_DECREF(s);
         return NULL;
     }
@@ -1246,7 +1304,7 @@ static int wire(PyObject *rt, PyObject *rec, PyObject *new, PyObject *now) {
     if (!live || SLOT(rec, K_off[K_replayable]) != Py_True) {
         PyObject *outputs = SLOT(rec, K_off[K_outputs]);
         if (!live && PyList_GET_SIZE(outputs)) { /* a view op's record */
-            PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+            PyObject *untrack = RT_GET(rt, _untrack);
             if (untrack == NULL) return -1;
             int untracking = untrack != Py_None && untrack_gc;
             Py_DECREF(untrack);
@@ -1289,7 +1347,7 @@ static int wire(PyObject *rt, PyObject *rec, PyObject *new, PyObject *now) {
     }
     if (ins == NULL) return -1;
     set_slot(rec, K_off[K_use_storages], ins);
-    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    PyObject *untrack = RT_GET(rt, _untrack);
     if (untrack == NULL) {
         Py_DECREF(ins);
         return -1;
@@ -1345,7 +1403,7 @@ static PyObject *new_view(PyObject *rt, PyObject *base, PyObject *rec, Py_ssize_
         Py_DECREF(c);
         return NULL;
     }
-    PyObject *untrack = PyObject_GetAttr(rt, A__untrack);
+    PyObject *untrack = RT_GET(rt, _untrack);
     if (untrack == NULL) {
         Py_DECREF(c);
         return NULL;
@@ -1382,7 +1440,7 @@ static PyObject *deref(PyObject *w) {
 
 /* Whether the collector module is native and ``storage.runtime._untrack`` is set: -1 on error. */
 static int untracking_of(PyObject *storage) {
-    PyObject *untrack = PyObject_GetAttr(SLOT(storage, S_off[S_runtime]), A__untrack);
+    PyObject *untrack = RT_GET(SLOT(storage, S_off[S_runtime]), _untrack);
     if (untrack == NULL) return -1;
     Py_DECREF(untrack);
     return untrack != Py_None && untrack_gc;
@@ -1647,7 +1705,7 @@ static PyObject *new_version(PyObject *rt, PyObject *rec, PyObject *s, PyObject 
     set_slot(s, S_off[S_protected], zero);
     Py_DECREF(zero);
     set_slot(s, S_off[S_forward], s2);
-    PyObject *alias = PyObject_GetAttr(rt, A__views_alias_data);
+    PyObject *alias = RT_GET(rt, _views_alias_data);
     int carry = alias ? PyObject_IsTrue(alias) : -1;
     Py_XDECREF(alias);
     if (carry > 0 && PyObject_IsTrue(SLOT(s, S_off[S_views]))) { /* no views: carry_views does nothing */
@@ -1672,13 +1730,13 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
     PyObject *s = NULL, *outs = NULL, *new = NULL, *now = NULL, *work = NULL;
     long long clock, memory, high, added = 0;
     Py_ssize_t m = mutated != NULL;
-    if (add_attr(rt, A_clock, 1, &clock) < 0) goto fail;
+    if (RT_ADD(rt, clock, 1, &clock) < 0) goto fail;
     now = PyLong_FromLongLong(clock);
     if (now == NULL) goto fail;
-    work = PyObject_GetAttr(rt, A_work);
+    work = RT_GET(rt, work);
     if (work == NULL) goto fail;
     Py_SETREF(work, PyNumber_Add(work, SLOT(rec, K_off[K_cost])));
-    if (work == NULL || PyObject_SetAttr(rt, A_work, work) < 0) goto fail;
+    if (work == NULL || RT_SET(rt, work, work) < 0) goto fail;
     if (base == NULL) {
         outs = PyList_New(m + n);
         new = PyList_New(m + n);
@@ -1717,10 +1775,10 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
         }
     }
     set_slot(rec, K_off[K_outputs], outs);
-    if (attr_ll(rt, A_memory, &memory) < 0 || attr_ll(rt, A__high, &high) < 0) goto fail;
-    if (memory > high && set_attr_ll(rt, A__high, memory) < 0) goto fail;
+    if (RT_LL(rt, memory, &memory) < 0 || RT_LL(rt, _high, &high) < 0) goto fail;
+    if (memory > high && RT_SET_LL(rt, _high, memory) < 0) goto fail;
     if (added) {
-        PyObject *budget = PyObject_GetAttr(rt, A_budget);
+        PyObject *budget = RT_GET(rt, budget);
         if (budget == NULL) goto fail;
         int over = 0;
         if (budget != Py_None) {
@@ -1749,7 +1807,7 @@ static PyObject *complete(PyObject *rt, PyObject *rec, Py_ssize_t n, const long 
         Py_DECREF(s);
         return NULL;
     }
-    PyObject *on_op = PyObject_GetAttr(rt, A_on_op);
+    PyObject *on_op = RT_GET(rt, on_op);
     if (on_op == NULL) {
         Py_DECREF(s);
         return NULL;
@@ -1858,13 +1916,13 @@ static PyObject *make_wrapper(PyObject *value, PyObject *rt, PyObject *cell) {
     }
     if (w == NULL) goto done;
     /* Runtime.track */
-    PyObject *cb = PyObject_GetAttr(rt, A__wrapper_died);
+    PyObject *cb = RT_GET(rt, _wrapper_died);
     if (cb == NULL) goto fail;
     ref = PyObject_CallFunctionObjArgs((PyObject *)T_Ref, w, cb, NULL);
     Py_DECREF(cb);
     if (ref == NULL) goto fail;
     set_slot(ref, R_cell, cell);
-    PyObject *refs = PyObject_GetAttr(rt, A__refs);
+    PyObject *refs = RT_GET(rt, _refs);
     if (refs == NULL) goto fail;
     PyObject *key = PyLong_FromVoidPtr(ref);
     int r = key ? PyDict_SetItem(refs, key, ref) : -1;
@@ -2219,11 +2277,11 @@ static PyObject *make_room(PyObject *driver, PyObject *rt, PyObject *facts, PyOb
     }
     if (nbytes) { /* self.rt.reserve(nbytes, facts.name), past its test */
         long long memory, budget;
-        PyObject *b = PyObject_GetAttr(rt, A_budget);
+        PyObject *b = RT_GET(rt, budget);
         int over = b == NULL ? -1 : 0;
         if (b != NULL && b != Py_None) {
             budget = PyLong_AsLongLong(b);
-            over = (budget == -1 && PyErr_Occurred()) || attr_ll(rt, A_memory, &memory) < 0 ? -1
+            over = (budget == -1 && PyErr_Occurred()) || RT_LL(rt, memory, &memory) < 0 ? -1
                                                                                          : memory + nbytes > budget;
         }
         Py_XDECREF(b);
@@ -2256,12 +2314,12 @@ static PyObject *simple_op(PyObject *driver, PyObject *facts, PyObject *func, Py
     if (rt == NULL) return NULL;
     {
         /* Note [Room before an op] in driver.py: room is made once the inputs are locked */
-        PyObject *budget = PyObject_GetAttr(rt, A_budget);
+        PyObject *budget = RT_GET(rt, budget);
         if (budget == NULL) goto error;
         if (budget != Py_None && SLOT(facts, F_sized) == Py_True) {
             long long b = PyLong_AsLongLong(budget), memory, largest, every;
             Py_DECREF(budget);
-            if ((b == -1 && PyErr_Occurred()) || attr_ll(rt, A_memory, &memory) < 0 ||
+            if ((b == -1 && PyErr_Occurred()) || RT_LL(rt, memory, &memory) < 0 ||
                 attr_ll(driver, A_largest_output, &largest) < 0 ||
                 attr_ll(driver, A_size_every_op, &every) < 0)
                 goto error;
@@ -2926,7 +2984,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
     PyObject *result = NULL;
     if (add_attr(driver, A_ops, 1, NULL) < 0) goto done;
     {
-        PyObject *dead = PyObject_GetAttr(rt, A__dead);
+        PyObject *dead = RT_GET(rt, _dead);
         if (dead == NULL) goto done;
         int any = PyObject_IsTrue(dead);
         Py_DECREF(dead);
@@ -3036,7 +3094,7 @@ static PyObject *dispatch(PyObject *driver, PyObject *const *argv, Py_ssize_t ar
         Py_DECREF(facts);
         return NULL;
     }
-    PyObject *lock = PyObject_GetAttr(rt, A_lock);
+    PyObject *lock = RT_GET(rt, lock);
     PyObject *held = lock ? call_method0(lock, A_acquire) : NULL;
     if (held == NULL) {
         Py_XDECREF(lock);
@@ -3129,6 +3187,13 @@ static int same_fields(PyTypeObject *tp, const char **names, int n, Py_ssize_t *
     return 0;
 }
 
+/* The offsets of the Runtime fields hotpath.c reads (R_NAMES): each must be a slot. */
+static int rt_fields(void) {
+    for (int i = 0; i < R_N; i++)
+        if (offset_of(T_Runtime, R_NAMES[i], &R_off[i]) < 0) return -1;
+    return 0;
+}
+
 #define GET(name)                                                                  \
     do {                                                                           \
         PyObject *v_ = PyDict_GetItemString(config, #name);                        \
@@ -3158,6 +3223,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         return NULL;
     }
     bound = 0;
+    GET_TYPE(Runtime);
     GET_TYPE(Tensor);
     GET_TYPE(DTRTensor);
     GET_TYPE(Storage);
@@ -3230,7 +3296,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
         offset_of(facts, "name", &F_name) < 0 || offset_of(facts, "random", &F_random) < 0 ||
         offset_of(facts, "sized", &F_sized) < 0 || offset_of(facts, "simple", &F_simple) < 0 ||
         offset_of(facts, "several", &F_several) < 0 || offset_of(facts, "in_place", &F_in_place) < 0 || same_fields(T_Storage, S_NAMES, S_N, S_off) < 0 ||
-        same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0 ||
+        same_fields(T_Call, K_NAMES, K_N, K_off) < 0 || rt_fields() < 0 || same_fields(T_UFNode, U_NAMES, U_N, U_off) < 0 ||
         same_fields(T_OpRecord, K_NAMES, K_RECORD, record_off) < 0)
         return NULL;
     for (int i = 0; i < K_RECORD; i++)

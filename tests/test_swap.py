@@ -248,7 +248,7 @@ def test_a_prefetch_the_block_reads_is_repeated_in_every_later_block(read):
     assert counts == [(0, 1)] * 3
 
 
-def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
+def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded(monkeypatch):
     # X is prefetched (as the first block's log says) but not read yet when the block ends, and
     # bringing the live tensors back fails (say, a replay raises): X outlives the block, so its
     # copy must still land.
@@ -257,10 +257,10 @@ def test_a_block_that_fails_to_close_leaves_no_prefetch_unlanded():
     def end(rt, held):
         assert rt.arriving  # X, prefetched, not read
 
-        def failing(cells):
+        def failing(self, cells):
             raise RuntimeError("a replay failed")
 
-        rt.acquire = failing
+        monkeypatch.setattr(Runtime, "acquire", failing)
         with pytest.raises(RuntimeError, match="replay failed"):
             rt.close()
 

@@ -89,6 +89,22 @@ class Runtime:
         outside: bytes outside the engine that the limit covers too (Note [The budget]).
     """
 
+    # Note [Runtime slots]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # Every field is a slot, declared here: each op reads and writes a dozen of them
+    # (``memory``, ``clock``, ``resident``, ...), and dtr_ext/hotpath.c does so at the offsets
+    # ``bind`` takes from their member descriptors, with no attribute lookup (in a subclass,
+    # which may shadow a field, by attribute). A field hotpath.c reads that is not a slot
+    # turns the native path off (``dtr.eager.native.WHY_NOT`` says which).
+    __slots__ = ("limit", "outside", "budget", "max_recompute", "work", "heuristic", "_score",
+        "_on_evict", "_on_materialize", "_on_release", "_keyed", "_index", "native_ordinary",
+        "native_release", "executor", "_views_alias_data", "lock", "memory", "_high",
+        "_earlier_peak", "_meters", "held", "held_bytes", "clock", "counters", "closed",
+        "resident", "_all", "_refs", "_dead", "_sid", "_protected_from", "_backward",
+        "kept_by_access", "versions_after_close", "wrappers_after_close", "kept_after_close",
+        "host", "arriving", "_yielding", "_untrack", "_wrapper_died", "events", "on_op",
+        "__weakref__")
+
     def __init__(
         self,
         budget: Optional[int],

@@ -30,7 +30,7 @@ from dtr.core.candidates import CandidateIndex
 from dtr.core.heuristics import DTREq
 from dtr.core.outputs import fit
 from dtr.core.unionfind import UFNode
-from dtr.core.runtime import Ref
+from dtr.core.runtime import Ref, Runtime
 from dtr.core.storage import EVICTED, EXTERNAL, RELEASED, RESIDENT, SWAPPED, Cell, OpRecord, Storage
 from dtr.eager import accumulation, output_size
 from dtr.eager.constants import Constants
@@ -54,7 +54,7 @@ FIRST = (0,)
 def _config() -> dict:
     """What ``_hotpath.bind`` needs: the classes, functions and constants the native path uses."""
     return {
-        "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
+        "Runtime": Runtime, "Tensor": torch.Tensor, "DTRTensor": DTRTensor, "Storage": Storage, "Cell": Cell,
         "OpRecord": OpRecord, "Call": Call, "Ref": Ref, "Facts": OpFacts, "strided": torch.strided,
         "UFNode": UFNode, "DTREq": DTREq, "dtreq_on_evict": DTREq.on_evict, "dtreq_key": DTREq.key,
         "dtreq_on_release": DTREq.on_release, "constants_forget": Constants.forget,
