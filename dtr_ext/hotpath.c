@@ -67,7 +67,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 }
 #endif
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
@@ -129,12 +129,12 @@ static Py_ssize_t U_off[U_N];
 enum {
     R_memory, R__untrack, R_resident, R_budget, R_work, R__high, R__dead, R__all, R_on_op, R_host,
     R_executor, R_counters, R_clock, R_arriving, R__wrapper_died, R__views_alias_data, R__sid,
-    R__refs, R__on_release, R__on_evict, R__index, R__backward, R_lock, R_N
+    R__refs, R__on_release, R__on_evict, R__index, R__backward, R_lock, R_closed, R_N
 };
 static const char *R_NAMES[R_N] = {
     "memory", "_untrack", "resident", "budget", "work", "_high", "_dead", "_all", "on_op", "host",
     "executor", "counters", "clock", "arriving", "_wrapper_died", "_views_alias_data", "_sid",
-    "_refs", "_on_release", "_on_evict", "_index", "_backward", "lock"};
+    "_refs", "_on_release", "_on_evict", "_index", "_backward", "lock", "closed"};
 static Py_ssize_t R_off[R_N];
 
 /* Interned attribute names. */
@@ -154,7 +154,7 @@ static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op
     *A__protected_from, *A__key, *A__now, *A__staleness, *A__buf, *A__bound, *A__la,
     *A__SIZES, *A__SETTLED, *A_reserve, *A_argmin, *A__log, *A_uses, *A__version, *A_forward,
     *A__order, *A__pos, *A__argmins, *A__sort_next, *A__slack,
-    *A_parent, *A_inputs, *A_outputs, *A_retarget;
+    *A_parent, *A_inputs, *A_outputs, *A_retarget, *A_closed, *A_append, *A__on_wrapper_death;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -3135,6 +3135,46 @@ static PyObject *dispatcher(PyObject *module, PyObject *driver) {
     return PyCFunction_NewEx(&dispatch_def, driver, NULL);
 }
 
+/* Runtime._on_wrapper_death, bound to one runtime by ``wrapper_death``: the callback of the
+ * Refs of its wrappers. While the block is open it queues the death as the Python method does;
+ * after the block (the rare last wrappers of a failed block) it runs the Python method. */
+static PyObject *wrapper_died(PyObject *rt, PyObject *ref) {
+    PyObject *closed = RT_GET(rt, closed);
+    if (closed == NULL) return NULL;
+    Py_DECREF(closed);
+    if (closed != Py_False || !Py_IS_TYPE(ref, T_Ref))
+        return PyObject_CallMethodOneArg(rt, A__on_wrapper_death, ref);
+    PyObject *refs = RT_GET(rt, _refs);
+    PyObject *key = refs ? PyLong_FromVoidPtr(ref) : NULL; /* id(ref) */
+    PyObject *r = NULL;
+    if (key == NULL) goto done;
+    PyObject *was = PyDict_GetItemWithError(refs, key);
+    if (was == NULL) {
+        if (!PyErr_Occurred()) r = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (PyDict_DelItem(refs, key) < 0) goto done;
+    PyObject *dead = RT_GET(rt, _dead);
+    r = dead ? PyObject_CallMethodOneArg(dead, A_append, SLOT(ref, R_cell)) : NULL;
+    Py_XDECREF(dead);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(refs);
+    return r;
+}
+
+static PyMethodDef wrapper_died_def = {
+    "wrapper_died", (PyCFunction)wrapper_died, METH_O,
+    "wrapper_died(ref): Runtime._on_wrapper_death, natively while the runtime's block is open."};
+
+static PyObject *wrapper_death(PyObject *module, PyObject *rt) {
+    if (!bound || !Py_IS_TYPE(rt, T_Runtime)) {
+        PyErr_SetString(PyExc_TypeError, "dtr_ext._hotpath.wrapper_death(runtime: Runtime), after bind()");
+        return NULL;
+    }
+    return PyCFunction_NewEx(&wrapper_died_def, rt, NULL);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* bind */
 
@@ -3376,6 +3416,9 @@ static PyMethodDef methods[] = {
     {"dense", dense_py, METH_O, "dense(t): accumulation.dense, as the native path decides it (for tests)."},
     {"registered", count, METH_NOARGS,
      "registered(): how many ops the native path has registered itself in this process."},
+    {"wrapper_death", (PyCFunction)wrapper_death, METH_O,
+     "wrapper_death(runtime): Runtime._on_wrapper_death bound to ``runtime``, native while its "
+     "block is open."},
     {"dispatcher", (PyCFunction)dispatcher, METH_O,
      "dispatcher(driver): Driver.dispatch bound to ``driver``, with the preamble, simple ops, "
      "ops of several new tensors and in-place ops native; other ops go to the driver's _route."},
@@ -3402,7 +3445,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dtr_ext._hotpath",
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(rt); INTERN(budget); INTERN(memory); INTERN(largest_output); INTERN(size_every_op);
-    INTERN(_make_room); INTERN(hooks);
+    INTERN(_make_room); INTERN(hooks); INTERN(closed); INTERN(append); INTERN(_on_wrapper_death);
     INTERN(requires_grad); INTERN(is_leaf); INTERN(_base); INTERN(layout); INTERN(untyped_storage);
     INTERN(nbytes); INTERN(unlock); INTERN(_register_one); INTERN(_register_several); INTERN(_register); INTERN(op_seconds); INTERN(clock);
     INTERN(work); INTERN(_sid); INTERN(_backward); INTERN(resident); INTERN(_all); INTERN(_untrack);

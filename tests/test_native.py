@@ -1015,3 +1015,34 @@ def test_the_native_size_lookup_builds_python_s_keys(monkeypatch):
     key, _ = output_size.output_bytes(func, args, kwargs)
     output_size.correct(key, func(*args), args, kwargs)
     assert _hotpath.cached_size(func, args, kwargs) == (None, 3 * 5 * 4)
+
+
+def test_both_paths_queue_wrapper_deaths_alike():
+    """The native callback of wrapper deaths (``native.wrapper_death``) queues the cells and
+    drops the Refs that ``Runtime._on_wrapper_death`` does while the block is open, and runs that
+    method once the block has closed."""
+    if not native.NATIVE:
+        pytest.skip(native.WHY_NOT)
+
+    def deaths(python):
+        x = torch.randn(8, 8)
+        with _python_path() if python else contextlib.nullcontext():
+            with dtr.budget(None) as engine:
+                rt = engine.runtime
+                ys = [x * (i + 1) for i in range(6)]
+                callback = rt._wrapper_died
+                refs = len(rt._refs)
+                sids = [y._dtr.cell.storage.sid for y in ys]
+                del ys[4], ys[1]  # queued, not applied: no op runs after them
+                queued = [c.storage.sid for c in rt._dead]
+                assert queued == [sids[4], sids[1]]
+                open_state = (refs - len(rt._refs), queued)
+                z = ys[0] + 1  # the next op applies them
+                applied = len(rt._dead), engine.stats().evictions
+        del ys, z  # after the block
+        return callback, open_state, applied, len(rt._refs)
+
+    native_run, python_run = deaths(False), deaths(True)
+    assert not hasattr(native_run[0], "__func__") and python_run[0].__func__ is Runtime._on_wrapper_death
+    assert native_run[1:] == python_run[1:]
+    assert native_run[1][0] == 2 and native_run[2][0] == 0 and native_run[3] == 0

@@ -223,6 +223,7 @@ class Runtime:
     def _on_wrapper_death(self, ref: Ref) -> None:
         # May run on any thread, inside any code (garbage collection): only queue, except for
         # the last wrapper a failed block left, which nothing of this runtime can be using.
+        # A runtime the native path drives has hotpath.c's twin as its ``_wrapper_died``.
         if self._refs.pop(id(ref), None) is None:
             return
         if not self.closed:

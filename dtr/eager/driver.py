@@ -137,12 +137,14 @@ class Driver(Views, Gradients, HostCopies):
     def _bind_native(self) -> None:
         """The native simple op (native.py), for the runtime it mirrors: not a trace recorder's
         (a subclass), not with a host tier or constants counted; and with it the native search
-        of the runtime's candidate index and its native ``lineage.release``."""
+        of the runtime's candidate index, its native ``lineage.release`` and the native
+        callback of its wrappers' deaths."""
         if type(self.rt) is Runtime and self.rt.host is None and self.count_constants is None:
             self.native = native.run_simple
             if self.native is not None:
                 self.rt.native_ordinary = native.ordinary
                 self.rt.native_release = native.release
+                self.rt._wrapper_died = native.wrapper_death(self.rt)
             if self.native is not None and type(self) is Driver:  # subclasses keep their overrides
                 self.dispatch = native.dispatcher(self)
 

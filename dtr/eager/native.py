@@ -40,7 +40,7 @@ from dtr.eager.replay import Call
 from dtr.eager.tensor import DTRTensor
 
 __all__ = ["FALLBACK", "NATIVE", "WHY_NOT", "bind_driver", "dispatcher", "ordinary", "registered", "release",
-           "run_simple"]
+           "run_simple", "wrapper_death"]
 
 FALLBACK = object()
 """What ``run_simple`` returns when the Python path must run the op."""
@@ -84,7 +84,7 @@ def _load():
         from dtr_ext import _hotpath
     except ImportError as e:
         return None, f"dtr_ext._hotpath is not built ({e})"
-    if getattr(_hotpath, "ABI_VERSION", None) != 3:
+    if getattr(_hotpath, "ABI_VERSION", None) != 4:
         return None, "dtr_ext._hotpath is from another version of dtr: reinstall dtr"
     try:
         _hotpath.bind(_config())
@@ -108,6 +108,10 @@ def bind_driver(driver_class: type) -> None:
         _EXT.bind_make_room(driver_class._make_room)
 
 
+wrapper_death: Optional[Callable[[Runtime], Callable[[Ref], None]]] = (
+    _EXT.wrapper_death if _EXT is not None else None)
+"""``Runtime._on_wrapper_death`` bound to one runtime, native while its block is open: the
+callback of its wrappers' Refs (``Runtime._wrapper_died``)."""
 ordinary: Optional[Callable[[CandidateIndex], Any]] = _EXT.ordinary if _EXT is not None else None
 """``CandidateIndex._ordinary`` natively, for a runtime the native path drives."""
 release: Optional[Callable[[Any, Storage], None]] = _EXT.release if _EXT is not None else None
