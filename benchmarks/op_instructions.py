@@ -26,6 +26,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -94,7 +95,9 @@ def main() -> None:
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                "--dump-after=functools_reduce", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
                "--ops", str(args.ops), "--runs", str(args.runs), "--workloads", *args.workloads]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A fixed hash seed: set and dict layouts, and so the instructions, the same run to run.
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         # One dump per counted call, numbered from 1 in order; a count of zero or a dump more
         # means the toggle did not bracket exactly the counted calls.
         dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
