@@ -69,7 +69,8 @@ class Rescored(Heuristic):
 
 
 class TimedRuntime(Runtime):
-    """A ``Runtime`` whose eviction loop is timed from outside once ``timing`` is set."""
+    """A ``Runtime`` whose eviction loop (``_evict_to``) adds its wall time to ``spent`` once
+    ``timing`` is set."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -41,6 +41,10 @@ Method, in three parts:
     python benchmarks/op_breakdown.py                  # all workloads, ~3 min on the 2-core VM
     python benchmarks/op_breakdown.py --workloads elementwise --repeats 9
 
+It times dtr's Python functions: run it with ``DTR_PUREPYTHON=1``. With the native path on,
+what ``dtr_ext/hotpath.c`` runs (``Driver.dispatch`` and the simple ops, ``make_wrapper``, the
+wrapper-death callback, ...) never calls them, and its time lands in the residual.
+
 Prints a table of microseconds per op (medians over runs; "spread" is the interquartile
 range) and writes it to ``benchmarks/results/op_breakdown.json`` with commit, machine, torch
 version and load average. A diagnostic of one machine: compare runs of the same machine only.

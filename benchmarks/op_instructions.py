@@ -7,12 +7,13 @@ float32), in three modes: eager; ``floor``, a mode that only calls each op
 (``RawPassThrough``); ``dtr``, ``dtr.budget(None)``. Each mode runs twice untimed, then
 ``--runs`` times inside one call of ``functools.reduce``: callgrind counts only inside that C
 function (``--toggle-collect``) and writes one count per call (``--dump-after``), so the
-interpreter's start, imports and warm-up are left out. Per op is the count over the ops the
-``CountOps`` mode sees (as bench_runtime.py divides); "beyond floor" is (dtr - floor) per op.
+interpreter's start, imports and warm-up are left out; the counted process has a fixed hash
+seed. Per op is the count over the ops the ``CountOps`` mode sees (as bench_runtime.py
+divides); "beyond floor" is (dtr - floor) per op.
 Instructions are not time (a cache miss costs more than an add), but a change that removes
 work removes instructions, on any machine.
 
-    .venv/bin/python benchmarks/op_instructions.py                 # ~6 min on the 2-core VM
+    .venv/bin/python benchmarks/op_instructions.py                 # ~7 min on the 2-core VM
     .venv/bin/python benchmarks/op_instructions.py --workloads elementwise --runs 3
 
 Needs ``valgrind`` on the PATH and a Python whose ``libpython`` keeps its symbols
@@ -95,7 +96,8 @@ def main() -> None:
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                "--dump-after=functools_reduce", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
                "--ops", str(args.ops), "--runs", str(args.runs), "--workloads", *args.workloads]
-        # A fixed hash seed: set and dict layouts, and so the instructions, the same run to run.
+        # A fixed hash seed: set and dict layouts the same run to run (addresses still move
+        # the counts by about 1%).
         env = dict(os.environ, PYTHONHASHSEED="0")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         # One dump per counted call, numbered from 1 in order; a count of zero or a dump more
@@ -107,7 +109,7 @@ def main() -> None:
                  f"(zero: {counts.count(0)}); is libpython stripped of functools_reduce, or does the "
                  f"measured code call functools.reduce?")
     stamp = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "ops": args.ops,
-             "runs": args.runs}
+             "runs": args.runs, "hash_seed": "0"}
     print(f"# {stamp['machine']}  commit {stamp['commit']}  torch {stamp['torch']}; instructions per op "
           f"(callgrind), {args.runs} runs of {args.ops}-op loops")
     print(f"{'workload':<15} {'ops':>5} {'eager':>8} {'floor':>8} {'dtr':>8} {'beyond floor':>12}")

@@ -41,14 +41,16 @@
  * also runs for wrapper deaths and unlocks: with h_DTR^eq's ``on_release`` in C, and
  * ``Constants.forget`` and ``use`` in C where every
  * constant keeps a use (a constant's first or last use goes to Python, which also tracks its
- * addresses). A runtime driven by the native path gets both (``Driver._bind_native``).
+ * addresses). A runtime driven by the native path gets both, and ``wrapper_death(runtime)``,
+ * ``Runtime._on_wrapper_death`` bound to it, as its wrappers' callback (``Driver._bind_native``).
  *
  * The Python code stays the definition: this file mirrors it statement for statement, calls the
  * heuristic's other hooks and the rarer branches in Python, and works on the
- * Python classes themselves (``Storage``, ``Call``, ``Ref``, ``DTRTensor`` with ``__slots__``):
- * ``bind`` reads each slot's offset from the class's member descriptor, and refuses classes
- * whose slots are not exactly those this file fills, so that a field added in Python without
- * its twin here turns the native path off instead of leaving it unset. ``dtr/eager/native.py``
+ * Python classes themselves (``Storage``, ``Call``, ``Ref``, ``DTRTensor``, ``Runtime`` with
+ * ``__slots__``): ``bind`` reads each slot's offset from the class's member descriptor, and
+ * refuses record classes whose slots are not exactly those this file fills, so that a field
+ * added in Python without its twin here turns the native path off instead of leaving it unset
+ * (and a Runtime without one of the fields this file reads). ``dtr/eager/native.py``
  * is the only module that imports this one; tests/test_native.py checks that both paths build
  * the same graph and make the same decisions.
  *
@@ -127,15 +129,20 @@ static const char *U_NAMES[U_N] = {"parent", "cost", "size"};
 static Py_ssize_t U_off[U_N];
 /* The Runtime fields this file reads and writes (Note [Runtime slots] in dtr/core/runtime.py). */
 enum {
-    R_memory, R__untrack, R_resident, R_budget, R_work, R__high, R__dead, R__all, R_on_op, R_host,
-    R_executor, R_counters, R_clock, R_arriving, R__wrapper_died, R__views_alias_data, R__sid,
-    R__refs, R__on_release, R__on_evict, R__index, R__backward, R_lock, R_closed, R_N
+    RF_memory, RF__untrack, RF_resident, RF_budget, RF_work, RF__high, RF__dead, RF__all, RF_on_op, RF_host,
+    RF_executor, RF_counters, RF_clock, RF_arriving, RF__wrapper_died, RF__views_alias_data, RF__sid,
+    RF__refs, RF__on_release, RF__on_evict, RF__index, RF__backward, RF_lock, RF_closed, RF_N
 };
-static const char *R_NAMES[R_N] = {
-    "memory", "_untrack", "resident", "budget", "work", "_high", "_dead", "_all", "on_op", "host",
-    "executor", "counters", "clock", "arriving", "_wrapper_died", "_views_alias_data", "_sid",
-    "_refs", "_on_release", "_on_evict", "_index", "_backward", "lock", "closed"};
-static Py_ssize_t R_off[R_N];
+static const char *RF_NAMES[RF_N] = {
+    [RF_memory] = "memory", [RF__untrack] = "_untrack", [RF_resident] = "resident",
+    [RF_budget] = "budget", [RF_work] = "work", [RF__high] = "_high", [RF__dead] = "_dead",
+    [RF__all] = "_all", [RF_on_op] = "on_op", [RF_host] = "host", [RF_executor] = "executor",
+    [RF_counters] = "counters", [RF_clock] = "clock", [RF_arriving] = "arriving",
+    [RF__wrapper_died] = "_wrapper_died", [RF__views_alias_data] = "_views_alias_data",
+    [RF__sid] = "_sid", [RF__refs] = "_refs", [RF__on_release] = "_on_release",
+    [RF__on_evict] = "_on_evict", [RF__index] = "_index", [RF__backward] = "_backward",
+    [RF_lock] = "lock", [RF_closed] = "closed"};
+static Py_ssize_t RF_off[RF_N];
 
 /* Interned attribute names. */
 static PyObject *A_rt, *A_budget, *A_memory, *A_largest_output, *A_size_every_op, *A__make_room,
@@ -225,7 +232,7 @@ static int set_attr_ll(PyObject *o, PyObject *name, long long n) {
  * the attribute where it is a subclass, which may shadow a field. */
 static inline PyObject *rt_get(PyObject *rt, int k, PyObject *name) {
     if (Py_IS_TYPE(rt, T_Runtime)) {
-        PyObject *v = SLOT(rt, R_off[k]);
+        PyObject *v = SLOT(rt, RF_off[k]);
         if (v != NULL) return Py_NewRef(v);
     }
     return PyObject_GetAttr(rt, name);
@@ -234,7 +241,7 @@ static inline PyObject *rt_get(PyObject *rt, int k, PyObject *name) {
 /* ``rt.<name> = v`` (``v`` borrowed). */
 static inline int rt_set(PyObject *rt, int k, PyObject *name, PyObject *v) {
     if (!Py_IS_TYPE(rt, T_Runtime)) return PyObject_SetAttr(rt, name, v);
-    set_slot(rt, R_off[k], v);
+    set_slot(rt, RF_off[k], v);
     return 0;
 }
 
@@ -262,11 +269,11 @@ static int rt_add(PyObject *rt, int k, PyObject *name, long long delta, long lon
     return rt_set_ll(rt, k, name, n + delta);
 }
 
-#define RT_GET(rt, f) rt_get(rt, R_##f, A_##f)
-#define RT_SET(rt, f, v) rt_set(rt, R_##f, A_##f, v)
-#define RT_LL(rt, f, out) rt_ll(rt, R_##f, A_##f, out)
-#define RT_SET_LL(rt, f, n) rt_set_ll(rt, R_##f, A_##f, n)
-#define RT_ADD(rt, f, d, out) rt_add(rt, R_##f, A_##f, d, out)
+#define RT_GET(rt, f) rt_get(rt, RF_##f, A_##f)
+#define RT_SET(rt, f, v) rt_set(rt, RF_##f, A_##f, v)
+#define RT_LL(rt, f, out) rt_ll(rt, RF_##f, A_##f, out)
+#define RT_SET_LL(rt, f, n) rt_set_ll(rt, RF_##f, A_##f, n)
+#define RT_ADD(rt, f, d, out) rt_add(rt, RF_##f, A_##f, d, out)
 
 /* Python's ``untrack`` of dtr/core/collector.py, for objects that are never weakrefs with a callback. */
 static inline void gc_untrack(PyObject *o) {
@@ -3139,6 +3146,7 @@ static PyObject *dispatcher(PyObject *module, PyObject *driver) {
  * Refs of its wrappers. While the block is open it queues the death as the Python method does;
  * after the block (the rare last wrappers of a failed block) it runs the Python method. */
 static PyObject *wrapper_died(PyObject *rt, PyObject *ref) {
+    if (!bound) return PyObject_CallMethodOneArg(rt, A__on_wrapper_death, ref);
     PyObject *closed = RT_GET(rt, closed);
     if (closed == NULL) return NULL;
     Py_DECREF(closed);
@@ -3227,10 +3235,13 @@ static int same_fields(PyTypeObject *tp, const char **names, int n, Py_ssize_t *
     return 0;
 }
 
-/* The offsets of the Runtime fields hotpath.c reads (R_NAMES): each must be a slot. */
+/* The offsets of the Runtime fields this file reads (RF_NAMES), all or none: each must be a
+ * slot, and callbacks handed out earlier keep reading the old ones if one is not. */
 static int rt_fields(void) {
-    for (int i = 0; i < R_N; i++)
-        if (offset_of(T_Runtime, R_NAMES[i], &R_off[i]) < 0) return -1;
+    Py_ssize_t off[RF_N];
+    for (int i = 0; i < RF_N; i++)
+        if (offset_of(T_Runtime, RF_NAMES[i], &off[i]) < 0) return -1;
+    memcpy(RF_off, off, sizeof off);
     return 0;
 }
 
