@@ -36,26 +36,11 @@ from pathlib import Path
 
 import torch
 
-import dtr
-from bench_runtime import RawPassThrough, count_ops, small_workloads
+from bench_runtime import count_ops, small_series, small_workloads
 from provenance import commit, machine
 
 MODES = ("eager", "floor", "dtr")
 WORKLOADS = ("elementwise", "matmul", "matmul_fwd_bwd", "in_place", "two_outputs")
-
-
-def _runner(fn, mode):
-    def run():
-        if mode == "floor":
-            with RawPassThrough():
-                fn()
-        elif mode == "eager":
-            fn()
-        else:
-            with dtr.budget(None):
-                fn()
-
-    return run
 
 
 def child(workloads, ops: int, runs: int) -> None:
@@ -63,8 +48,8 @@ def child(workloads, ops: int, runs: int) -> None:
     torch.set_num_threads(1)
     for name in workloads:
         fn = small_workloads(ops)[name]
-        for mode in MODES:
-            run = _runner(fn, mode)
+        for series in small_series(fn):  # eager, the floor, dtr: in MODES' order
+            run = series.fn
             run()
             run()
             gc.collect()

@@ -212,12 +212,16 @@ static int add_attr(PyObject *o, PyObject *name, long long delta, long long *out
     return r;
 }
 
-static int attr_ll(PyObject *o, PyObject *name, long long *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
+/* ``*out = int(v)``, taking the reference to ``v`` (NULL: an error already set). */
+static int take_ll(PyObject *v, long long *out) {
     if (v == NULL) return -1;
     *out = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int attr_ll(PyObject *o, PyObject *name, long long *out) {
+    return take_ll(PyObject_GetAttr(o, name), out);
 }
 
 static int set_attr_ll(PyObject *o, PyObject *name, long long n) {
@@ -246,11 +250,7 @@ static inline int rt_set(PyObject *rt, int k, PyObject *name, PyObject *v) {
 }
 
 static int rt_ll(PyObject *rt, int k, PyObject *name, long long *out) {
-    PyObject *v = rt_get(rt, k, name);
-    if (v == NULL) return -1;
-    *out = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+    return take_ll(rt_get(rt, k, name), out);
 }
 
 static int rt_set_ll(PyObject *rt, int k, PyObject *name, long long n) {
