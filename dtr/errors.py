@@ -5,6 +5,14 @@ from __future__ import annotations
 __all__ = ["DTRError", "OutOfBudgetError", "ThrashingError", "InfeasibleBudgetError"]
 
 
+# Where a refused step's lowest workable budget is found: the bytes an error names are what
+# one op lacked at one moment, and the step may be refused again a little further on.
+_LOWEST = (
+    "dtr.budget_curve(path) on the trace of an unlimited step (dtr.budget(None, trace=path)) "
+    "finds the lowest budget the step runs at."
+)
+
+
 class DTRError(RuntimeError):
     """Base class of the errors raised by dtr's runtime."""
 
@@ -34,7 +42,8 @@ class OutOfBudgetError(DTRError):
             msg += " " + detail
         msg += (
             f" Raise the budget to at least {_fmt(self.needed_bytes)} "
-            "(engine.budget = ...) or reduce the batch size, then run the step again."
+            "(engine.budget = ...) or reduce the batch size, then run the step again. That is what "
+            f"this op needed; a later one may need more. {_LOWEST}"
         )
         super().__init__(msg)
 
@@ -69,7 +78,7 @@ class ThrashingError(OutOfBudgetError):
             f"recomputing evicted tensors has cost {self.ratio:.1f}x the block's own operations "
             f"({self.replays} replays), more than dtr.budget(..., max_recompute=...) allows. "
             "Raise the budget (engine.budget = ...), or pass swap=True to copy tensors to host "
-            "memory instead of recomputing them, then run the step again.",
+            f"memory instead of recomputing them, then run the step again. {_LOWEST}",
         )
 
     def __reduce__(self):
