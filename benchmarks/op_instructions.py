@@ -15,6 +15,14 @@ work removes instructions, on any machine.
 
     .venv/bin/python benchmarks/op_instructions.py                 # ~7 min on the 2-core VM
     .venv/bin/python benchmarks/op_instructions.py --workloads elementwise --runs 3
+    .venv/bin/python benchmarks/op_instructions.py --models gru_cell_small lstmcell treelstm trees_small  # ~40 min
+
+``--models`` counts one training step of ``bench_runtime.py``'s models instead (its
+``model_steps``: eager, the pass-through floor, the wrapper-only mode, ``dtr.budget(None)``;
+two untimed steps first) and prints instructions per step with dtr's ratio to each: issue 20's
+model targets are wall-time ratios to eager, and this is the count behind them that the VM's
+speed does not move (a Python-heavy mode runs fewer instructions per second than eager's
+kernels, so the ratios are not the wall-time ones).
 
 Needs ``valgrind`` on the PATH and a Python whose ``libpython`` keeps its symbols
 (``functools_reduce``); says so otherwise. Prints a table and appends it, with commit,
@@ -36,16 +44,25 @@ from pathlib import Path
 
 import torch
 
-from bench_runtime import count_ops, small_series, small_workloads
+from bench_runtime import MODELS as STEP_MODELS, TINY_LOOPS, count_ops, model_steps, small_series, small_workloads
 from provenance import commit, machine
 
 MODES = ("eager", "floor", "dtr")
 WORKLOADS = ("elementwise", "matmul", "matmul_fwd_bwd", "in_place", "two_outputs")
+STEP_MODES = ("eager", "passthrough", "wrapper", "dtr_unlimited")
 
 
-def child(workloads, ops: int, runs: int) -> None:
-    """Runs under callgrind: one counted ``functools.reduce`` per workload and mode."""
+def child(workloads, ops: int, runs: int, models) -> None:
+    """Runs under callgrind: one counted ``functools.reduce`` per workload (or model) and mode."""
     torch.set_num_threads(1)
+    for name in models:
+        steps = model_steps(name)
+        for mode in STEP_MODES:
+            step = steps[mode]
+            step()
+            step()
+            gc.collect()
+            functools.reduce(lambda _, f: f(), [step] * runs, None)
     for name in workloads:
         fn = small_workloads(ops)[name]
         for series in small_series(fn):  # eager, the floor, dtr: in MODES' order
@@ -67,12 +84,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--ops", type=int, default=200, help="forward ops per loop")
-    parser.add_argument("--runs", type=int, default=5, help="counted runs per workload and mode")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="counted runs per workload and mode (default 5; with --models, steps: 1)")
+    parser.add_argument("--models", nargs="+", choices=STEP_MODELS + tuple(TINY_LOOPS), default=[],
+                        help="count training steps of these models instead of the small-op loops")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "op_instructions.jsonl"))
     args = parser.parse_args()
+    if args.runs is None:
+        args.runs = 1 if args.models else 5
+    workloads = [] if args.models else args.workloads
     if args.child:
-        child(args.workloads, args.ops, args.runs)
+        child(workloads, args.ops, args.runs, args.models)
         return
     if shutil.which("valgrind") is None:
         sys.exit("op_instructions.py: valgrind is not on the PATH")
@@ -81,6 +104,8 @@ def main() -> None:
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                "--dump-after=functools_reduce", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
                "--ops", str(args.ops), "--runs", str(args.runs), "--workloads", *args.workloads]
+        if args.models:
+            cmd += ["--models", *args.models]
         # A fixed hash seed: set and dict layouts the same run to run (addresses still move
         # the counts by about 1%).
         env = dict(os.environ, PYTHONHASHSEED="0")
@@ -89,12 +114,16 @@ def main() -> None:
         # means the toggle did not bracket exactly the counted calls.
         dumps = sorted(Path(tmp).glob("cg.out.*"), key=lambda p: int(p.suffix[1:]))
         counts = [_count(d) for d in dumps]
-    if len(counts) != len(args.workloads) * len(MODES) or not all(counts):
-        sys.exit(f"op_instructions.py: {len(counts)} counts for {len(args.workloads) * len(MODES)} calls "
+    calls = len(args.models) * len(STEP_MODES) + len(workloads) * len(MODES)
+    if len(counts) != calls or not all(counts):
+        sys.exit(f"op_instructions.py: {len(counts)} counts for {calls} calls "
                  f"(zero: {counts.count(0)}); is libpython stripped of functools_reduce, or does the "
                  f"measured code call functools.reduce?")
     stamp = {"commit": commit(), "machine": machine(), "torch": torch.__version__, "ops": args.ops,
              "runs": args.runs, "hash_seed": "0"}
+    if args.models:
+        report_steps(args, stamp, counts)
+        return
     print(f"# {stamp['machine']}  commit {stamp['commit']}  torch {stamp['torch']}; instructions per op "
           f"(callgrind), {args.runs} runs of {args.ops}-op loops")
     print(f"{'workload':<15} {'ops':>5} {'eager':>8} {'floor':>8} {'dtr':>8} {'beyond floor':>12}")
@@ -109,6 +138,23 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
             print(f"{name:<15} {row['ops_per_run']:>5} {row['eager']:>8} {row['floor']:>8} {row['dtr']:>8} "
                   f"{row['beyond_floor']:>12}")
+
+
+def report_steps(args, stamp: dict, counts) -> None:
+    """Prints and appends the ``--models`` rows: instructions per step of each mode."""
+    stamp = {k: v for k, v in stamp.items() if k != "ops"}
+    print(f"# {stamp['machine']}  commit {stamp['commit']}  torch {stamp['torch']}; millions of instructions "
+          f"per training step (callgrind), {args.runs} counted step(s) per mode")
+    print(f"{'model':<15} {'eager':>8} {'floor':>8} {'wrapper':>8} {'dtr':>8} {'dtr/eager':>9} {'dtr/floor':>9} "
+          f"{'dtr/wrapper':>11}")
+    with open(args.out, "a") as f:
+        for i, name in enumerate(args.models):
+            eager, floor, wrapper, mine = (c / args.runs for c in counts[4 * i:4 * i + 4])
+            row = dict(stamp, section="models", model=name, eager=round(eager), floor=round(floor),
+                       wrapper=round(wrapper), dtr=round(mine))
+            f.write(json.dumps(row) + "\n")
+            print(f"{name:<15} {eager / 1e6:>8.1f} {floor / 1e6:>8.1f} {wrapper / 1e6:>8.1f} {mine / 1e6:>8.1f} "
+                  f"{mine / eager:>9.2f} {mine / floor:>9.2f} {mine / wrapper:>11.2f}")
 
 
 if __name__ == "__main__":
