@@ -85,9 +85,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--ops", type=int, default=200, help="forward ops per loop")
     parser.add_argument("--runs", type=int, default=None,
-                        help="counted runs per workload and mode (default 5; with --models, steps: 1)")
+                        help="counted runs per mode (default: 5 runs of each small-op loop, 1 step of each model)")
     parser.add_argument("--models", nargs="+", choices=STEP_MODELS + tuple(TINY_LOOPS), default=[],
-                        help="count training steps of these models instead of the small-op loops")
+                        help="count training steps of these models instead of the small-op loops "
+                             "(--workloads and --ops are then unused)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "op_instructions.jsonl"))
     args = parser.parse_args()
@@ -103,9 +104,8 @@ def main() -> None:
         out = Path(tmp) / "cg.out"
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                "--dump-after=functools_reduce", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
-               "--ops", str(args.ops), "--runs", str(args.runs), "--workloads", *args.workloads]
-        if args.models:
-            cmd += ["--models", *args.models]
+               "--ops", str(args.ops), "--runs", str(args.runs)]
+        cmd += ["--models", *args.models] if args.models else ["--workloads", *args.workloads]
         # A fixed hash seed: set and dict layouts the same run to run (addresses still move
         # the counts by about 1%).
         env = dict(os.environ, PYTHONHASHSEED="0")
@@ -142,15 +142,16 @@ def main() -> None:
 
 def report_steps(args, stamp: dict, counts) -> None:
     """Prints and appends the ``--models`` rows: instructions per step of each mode."""
-    stamp = {k: v for k, v in stamp.items() if k != "ops"}
-    print(f"# {stamp['machine']}  commit {stamp['commit']}  torch {stamp['torch']}; millions of instructions "
+    base = {k: v for k, v in stamp.items() if k != "ops"}
+    print(f"# {base['machine']}  commit {base['commit']}  torch {base['torch']}; millions of instructions "
           f"per training step (callgrind), {args.runs} counted step(s) per mode")
     print(f"{'model':<15} {'eager':>8} {'floor':>8} {'wrapper':>8} {'dtr':>8} {'dtr/eager':>9} {'dtr/floor':>9} "
           f"{'dtr/wrapper':>11}")
     with open(args.out, "a") as f:
         for i, name in enumerate(args.models):
-            eager, floor, wrapper, mine = (c / args.runs for c in counts[4 * i:4 * i + 4])
-            row = dict(stamp, section="models", model=name, eager=round(eager), floor=round(floor),
+            n = len(STEP_MODES)
+            eager, floor, wrapper, mine = (c / args.runs for c in counts[n * i:n * (i + 1)])
+            row = dict(base, section="models", model=name, eager=round(eager), floor=round(floor),
                        wrapper=round(wrapper), dtr=round(mine))
             f.write(json.dumps(row) + "\n")
             print(f"{name:<15} {eager / 1e6:>8.1f} {floor / 1e6:>8.1f} {wrapper / 1e6:>8.1f} {mine / 1e6:>8.1f} "

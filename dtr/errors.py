@@ -5,11 +5,11 @@ from __future__ import annotations
 __all__ = ["DTRError", "OutOfBudgetError", "ThrashingError", "InfeasibleBudgetError"]
 
 
-# Where a refused step's lowest workable budget is found: the bytes an error names are what
-# one op lacked at one moment, and the step may be refused again a little further on.
+# Where a refused step's lowest workable budget is found: the bytes an error names are what had
+# to be resident at one moment, and the step may be refused again a little further on.
 _LOWEST = (
-    "dtr.budget_curve(path) on the trace of an unlimited step (dtr.budget(None, trace=path)) "
-    "finds the lowest budget the step runs at."
+    "dtr.budget_curve(path), on the trace of an unlimited step (dtr.budget(None, trace=path)), "
+    "estimates by simulation the lowest budget the step runs at."
 )
 
 
@@ -42,8 +42,8 @@ class OutOfBudgetError(DTRError):
             msg += " " + detail
         msg += (
             f" Raise the budget to at least {_fmt(self.needed_bytes)} "
-            "(engine.budget = ...) or reduce the batch size, then run the step again. That is what "
-            f"this op needed; a later one may need more. {_LOWEST}"
+            "(engine.budget = ...) or reduce the batch size, then run the step again; it may need "
+            f"more further on than at this point. {_LOWEST}"
         )
         super().__init__(msg)
 
