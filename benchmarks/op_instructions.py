@@ -15,7 +15,7 @@ work removes instructions, on any machine.
 
     .venv/bin/python benchmarks/op_instructions.py                 # ~7 min on the 2-core VM
     .venv/bin/python benchmarks/op_instructions.py --workloads elementwise --runs 3
-    .venv/bin/python benchmarks/op_instructions.py --models gru_cell_small lstmcell treelstm trees_small  # ~40 min
+    .venv/bin/python benchmarks/op_instructions.py --models gru_cell_small lstmcell treelstm trees_small  # ~40 min, 2-core VM
 
 ``--models`` counts one training step of ``bench_runtime.py``'s models instead (its
 ``model_steps``: eager, the pass-through floor, the wrapper-only mode, ``dtr.budget(None)``;
@@ -58,19 +58,20 @@ def child(workloads, ops: int, runs: int, models) -> None:
     for name in models:
         steps = model_steps(name)
         for mode in STEP_MODES:
-            step = steps[mode]
-            step()
-            step()
-            gc.collect()
-            functools.reduce(lambda _, f: f(), [step] * runs, None)
+            _counted(steps[mode], runs)
     for name in workloads:
         fn = small_workloads(ops)[name]
         for series in small_series(fn):  # eager, the floor, dtr: in MODES' order
-            run = series.fn
-            run()
-            run()
-            gc.collect()
-            functools.reduce(lambda _, f: f(), [run] * runs, None)
+            _counted(series.fn, runs)
+
+
+def _counted(run, runs: int) -> None:
+    """Two untimed calls of ``run``, then ``runs`` inside the one ``functools.reduce`` that
+    callgrind counts."""
+    run()
+    run()
+    gc.collect()
+    functools.reduce(lambda _, f: f(), [run] * runs, None)
 
 
 def _count(dump: Path) -> int:
