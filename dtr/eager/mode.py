@@ -17,9 +17,10 @@ first op after ``torch._dynamo`` appears in ``sys.modules`` on which this thread
 frame-evaluation callback set: dynamo sets one while it compiles and while compiled code runs,
 and only then can it trace into the mode; elsewhere the guard would only cost its two
 ``set_eval_frame`` calls (0.3-0.8 µs an op on the 2-core VM). A block under a budget sizes ops
-on the meta device (Note [Room before an op] in driver.py), and torch's meta kernels for some
-ops (``gt`` among them, through ``torch._prims_common.wrappers``) carry the same guard: the
-first of them imports dynamo.
+(Note [Room before an op] in driver.py), and torch's meta kernels for most pointwise ops and
+many others carry the same guard: the ops a training step runs most are sized by rules instead
+(Note [Sizes without the meta device] in size_rules.py), and the first op sized on the meta
+device that has such a kernel imports dynamo.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 The driver makes room for an op's outputs before the kernel runs when the budget is close
 (``Runtime.reserve``), so that the op does not pass the budget by its outputs; an LM head's
-logits are the op that makes a GPU step fail near the limit. Sizes come from running the op
-on the meta device (shapes and dtypes only, no data, no random numbers drawn), cached by the
-op and its arguments' shapes and dtypes: a training loop runs the same ops on the same shapes
+logits are the op that makes a GPU step fail near the limit. Sizes come from a rule for the
+ops a training step runs most (size_rules.py), else from running the op on the meta device
+(shapes and dtypes only, no data, no random numbers drawn), cached by the op and its
+arguments' shapes and dtypes: a training loop runs the same ops on the same shapes
 every step, so after the first step a lookup is the whole cost. Where an op's real outputs
 turn out larger than the meta device said (``mkldnn_rnn_layer``'s workspace), the driver
 corrects the entry (``correct``), so that the next step makes enough room. Once a real run made
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Dict, Set, Tuple
 
 import torch
+
+from dtr.eager.size_rules import rule_bytes
 
 __all__ = ["correct", "flat_tensors", "output_bytes"]
 
@@ -43,13 +46,13 @@ def output_bytes(func, args, kwargs) -> Tuple[Any, int]:
         key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else None)
         n = _SIZES.get(key)
     except TypeError:  # an argument that cannot be hashed: estimate without caching
-        return None, _on_meta(func, args, kwargs)
+        return None, _sized(func, args, kwargs)
     if n is None:
         if len(_SIZES) >= _MAX_ENTRIES:
             _SIZES.clear()
             _SETTLED.clear()
             _UNSIZED.clear()
-        n = _SIZES[key] = _on_meta(func, args, kwargs)
+        n = _SIZES[key] = _sized(func, args, kwargs)
         if not n:
             _UNSIZED.add(key)
     elif key in _SETTLED:
@@ -95,6 +98,11 @@ def _to_meta(a):
     if type(a) in (list, tuple):
         return type(a)(_to_meta(b) for b in a)
     return a
+
+
+def _sized(func, args, kwargs) -> int:
+    n = rule_bytes(func, args, kwargs)  # Note [Sizes without the meta device]
+    return _on_meta(func, args, kwargs) if n is None else n
 
 
 def _on_meta(func, args, kwargs) -> int:
