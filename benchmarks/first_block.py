@@ -6,7 +6,7 @@ size per op and shapes for the process. For each model (zoo, bench preset, 1 int
 each run in a fresh process: an eager step, then the first budgeted step (a fresh engine, every
 size looked up anew), then a second budgeted step with another fresh engine (sizes cached);
 then which of ``torch._dynamo`` and sympy the process has imported, its objects tracked by the
-cyclic collector, and one full collection's time. ``--sizing meta`` switches the rules off
+cyclic collector, and one full collection's time. The "meta" runs switch the rules off
 (every op sized on the meta device, as before them); the two take turns, ``--runs`` each. The
 budget is far above the step's peak: what is timed is sizing, not eviction. Rows go to
 ``results/first_block.jsonl``.
@@ -39,7 +39,7 @@ def child(name: str, sizing: str) -> dict:
     from dtr.eager import output_size
     from dtr.testing import zoo
 
-    if sizing == "meta":
+    if sizing == "meta":  # output_size looks the name up at each size it finds
         output_size.rule_bytes = lambda func, args, kwargs: None
     torch.set_num_threads(1)
     w = zoo.build(name, "bench")
@@ -85,11 +85,13 @@ def main() -> None:
     with args.out.open("a") as out:
         for name in args.models:
             runs: dict = {"rules": [], "meta": []}
-            for _ in range(args.runs):
-                for sizing, rows in runs.items():
+            for i in range(args.runs):
+                for sizing in sorted(runs, reverse=i % 2 == 1):  # which goes first alternates
                     got = subprocess.run([sys.executable, __file__, "--child", name, sizing],
-                                         capture_output=True, text=True, check=True)
-                    rows.append(json.loads(got.stdout.splitlines()[-1]))
+                                         capture_output=True, text=True)
+                    if got.returncode:
+                        sys.exit(f"{name}, sizing by {sizing}: the run failed\n{got.stderr}")
+                    runs[sizing].append(json.loads(got.stdout.splitlines()[-1]))
             for sizing, rows in runs.items():
                 med = {k: statistics.median(r[k] for r in rows)
                        for k in ("eager_s", "first_s", "second_s", "objects", "full_gc_ms")}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtr.eager import output_size
+from dtr.eager import output_size, size_rules
 from dtr.eager.size_rules import rule_bytes
 from dtr.testing import zoo
 
@@ -35,21 +35,28 @@ class _Ops(TorchDispatchMode):
 
 
 def _made(func, args, kwargs) -> int:
-    """Bytes of the new storages a real run of the op makes (CPU, plain tensors)."""
+    """Bytes of the new tensors a real run of the op makes (CPU, plain tensors), by their
+    elements: a kernel may return a view of a larger buffer of its own (``mse_loss``'s mean is
+    a view of its squared differences), which no size before the run can know and the driver
+    learns from the run (``output_size.correct``)."""
     given = {t.untyped_storage().data_ptr() for t in output_size.flat_tensors([*args, *kwargs.values()])}
     out = output_size.flat_tensors(func(*args, **kwargs))
-    return sum(t.untyped_storage().nbytes() for t in out if t.untyped_storage().data_ptr() not in given)
+    return sum(t.numel() * t.element_size() for t in out if t.untyped_storage().data_ptr() not in given)
 
 
 def _agree(func, args, kwargs) -> bool:
-    """Whether a rule answered for the call; fails the test where it differs from the meta
-    device, unless it gives what the real kernel makes (a few meta kernels do not promote
-    dtypes as the CPU kernel does on arguments no model passes)."""
+    """Whether a rule answered for the call; fails the test where it gives less than the real
+    kernel makes, or differs from both the meta device and the real kernel (a few meta kernels
+    do not promote dtypes as the CPU kernel does, on arguments no model passes)."""
     n = rule_bytes(func, args, kwargs)
     if n is None:
         return False
-    if n != output_size._on_meta(func, args, kwargs):
-        assert n == _made(func, args, kwargs), (func, args, kwargs)
+    meta = output_size._on_meta(func, args, kwargs)
+    try:
+        made = _made(func, args, kwargs)
+    except RuntimeError:  # the CPU kernel refuses what its one-element stand-ins took (oneDNN's gelu_backward)
+        made = meta
+    assert n >= made and n in (made, meta), (func, args, kwargs, n, made, meta)
     return True
 
 
@@ -61,8 +68,10 @@ def test_rules_agree_with_the_meta_device_on_every_op_of_the_zoo_steps(name, aut
     try:
         with ops, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             w.loss_fn(w.model, w.batch).backward()
-    except RuntimeError as e:  # eager itself: oneDNN has no bf16 LSTM primitive here
-        pytest.skip(f"eager's step fails under autocast: {e}")
+    except RuntimeError as e:
+        if not autocast:
+            raise
+        pytest.skip(f"eager's step fails under autocast (oneDNN's LSTM in bf16): {e}")
     answered = sum(_agree(f, a, k) for f, calls in ops.calls.items() for a, k in calls)
     assert answered >= 5  # the rules are in use on every model
 
@@ -157,11 +166,12 @@ def test_pointwise_sizes_over_random_shapes_and_dtypes(shapes, dtypes, op):
     if op == "where":
         args = [args[0].bool(), *args[1:]]
     try:
-        want = output_size._on_meta(func, args, {})
-    except Exception:
+        func(*output_size._to_meta(args))
+    except Exception:  # shapes or dtypes the op refuses
         return
-    got = rule_bytes(func, args, {})
-    assert got is None or got == want
+    if not _agree(func, args, {}):  # the rule defers only what the CPU kernel cannot run
+        with pytest.raises(Exception):
+            func(*args)
 
 
 x = torch.randn(3, 4)
@@ -170,13 +180,16 @@ _CASES = [
     (aten.arange.start_step, (0, 1, 0.3), {}),
     (aten.arange.start_step, (5, 0, -2), {}),
     (aten.arange.start, (0, 7), {"dtype": torch.float16}),
+    (aten.arange.start_step, (0.5, 3, 0.7), {"dtype": torch.float64}),
     (aten.zeros.default, ((3, 4),), {"dtype": torch.float16}),
     (aten.empty.memory_format, ((2, 5),), {}),
     (aten.ones.default, ((0, 5),), {}),
     (aten.empty_like.default, (x,), {"dtype": torch.int8}),
     (aten.zeros_like.default, (x,), {}),
+    (aten.ones_like.default, (x.half(),), {}),
     (aten.new_zeros.default, (x, (2, 3)), {}),
     (aten.new_empty.default, (x, (7,)), {"dtype": torch.float64}),
+    (aten.new_ones.default, (x, (0, 2)), {}),
     (aten.sum.dim_IntList, (x, [1], True), {}),
     (aten.sum.dim_IntList, (x, [-1]), {"dtype": torch.float64}),
     (aten.sum.dim_IntList, (x, None), {}),
@@ -187,20 +200,33 @@ _CASES = [
     (aten.stack.default, ([x, x], 2), {}),
     (aten._softmax.default, (x.half(), 1, True), {}),
     (aten._log_softmax.default, (x, 0, False), {}),
-    (aten._softmax_backward_data.default, (x, x, 1, torch.float16), {}),
+    (aten._softmax_backward_data.default, (x, x, 1, torch.float32), {}),
+    (aten._log_softmax_backward_data.default, (x.double(), x.double(), 0, torch.float64), {}),
+    (aten._safe_softmax.default, (x, -1, torch.float64), {}),
     (aten.nll_loss_forward.default, (x, torch.tensor([0, 1, 2]), None, 2, -100), {}),
+    (aten.nll_loss_backward.default, (torch.tensor(1.0), x, torch.tensor([0, 1, 2]), None, 1, -100, torch.tensor(3.0)), {}),
     (aten.mse_loss.default, (x, x, 0), {}),
     (aten.mse_loss.default, (x, x), {}),
+    (aten.mse_loss_backward.default, (torch.tensor(1.0), x, x, 1), {}),
     (aten.mm.default, (x, torch.randn(4, 6)), {}),
     (aten.bmm.default, (torch.randn(2, 3, 4), torch.randn(2, 4, 5)), {}),
     (aten.addmm.default, (torch.randn(6), x, torch.randn(4, 6)), {}),
     (aten.embedding.default, (x, torch.tensor([[0, 2], [1, 1]])), {}),
+    (aten.embedding_dense_backward.default, (torch.randn(2, 2, 4), torch.tensor([[0, 2], [1, 1]]), 3, -1, False), {}),
     (aten.select_backward.default, (torch.randn(4), [3, 4], 0, 1), {}),
     (aten.slice_backward.default, (torch.randn(1, 4), [3, 4], 0, 0, 1, 1), {}),
     (aten.native_layer_norm.default, (torch.randn(2, 3, 4), [3, 4], None, None, 1e-5), {}),
+    (aten.native_layer_norm_backward.default, (torch.randn(2, 3, 4), torch.randn(2, 3, 4), [4], torch.randn(2, 3, 1),
+                                               torch.randn(2, 3, 1), torch.randn(4), None, [True, True, False]), {}),
     (aten.native_batch_norm.default, (torch.randn(2, 3, 4), None, None, None, None, True, 0.1, 1e-5), {}),
+    (aten.native_batch_norm_backward.default, (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(3), None, None,
+                                               torch.randn(3), torch.rand(3), True, 1e-5, [True, False, True]), {}),
     (aten.sort.default, (x, 1), {}),
+    (aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.randn(2, 4)), {}),
+    (aten.max_pool2d_with_indices_backward.default, (torch.randn(1, 2, 2, 2), torch.randn(1, 2, 4, 4), [2, 2], [2, 2],
+                                                     [0, 0], [1, 1], False, torch.zeros(1, 2, 2, 2, dtype=torch.long)), {}),
     (aten.tril.default, (x,), {}),
+    (aten.triu.default, (x, 1), {}),
     (aten.any.default, (x,), {}),
 ]
 
@@ -212,9 +238,27 @@ def test_each_rule_agrees_with_the_meta_device_beyond_the_zoo(func, args, kwargs
     assert _agree(func, args, kwargs)
 
 
+def test_every_rule_has_a_case():
+    """A rule that stopped answering (a changed schema, a wrong index) would only send its op
+    back to the meta device: each one answers a case above."""
+    assert set(size_rules._RULES) <= {func for func, _, _ in _CASES}
+
+
+@pytest.mark.parametrize("func,args,kwargs", [
+    (aten.arange.start_step, (0, 5.9, 1.9), {"dtype": torch.int64}),  # the kernel rounds the bounds first
+    (aten.arange.start, (0, 5.5), {"dtype": torch.int32}),
+    (aten._softmax_backward_data.default, (x, x, 1, torch.bfloat16), {}),  # the CPU kernel keeps the gradient's
+    (aten.sum.dim_IntList, (torch.ones(3, dtype=torch.int32), [0]), {}),  # integers sum to int64
+])
+def test_rules_defer_what_they_would_get_wrong(func, args, kwargs):
+    """Arguments whose output dtype or length a shape rule would get wrong (the real kernel's
+    differs from what the arguments' dtypes and bounds say) go to the meta device."""
+    assert rule_bytes(func, args, kwargs) is None
+
+
 def test_a_budgeted_step_imports_neither_dynamo_nor_sympy():
     """The models that sized every op on the meta device imported ``torch._dynamo`` and sympy
-    in their first budgeted block (about 2 s and 117,000 objects on the 2-core VM); with the
+    in their first budgeted block (about 1.5 s and 117,000 objects on the 2-core VM); with the
     rules nothing of theirs runs on it."""
     script = (
         "import sys, torch, dtr\n"

@@ -235,8 +235,8 @@ def test_concurrent_budget_change_from_another_thread():
 
 def test_a_block_does_not_import_dynamo_and_compiled_code_inside_one_works():
     """Note [Dynamo guard]: a training step in an unlimited block leaves torch._dynamo
-    unimported (torch's own guard imported it on the first op, ~1 s; a budget's sizing of ops on
-    the meta device still does); once torch.compile has imported it,
+    unimported (torch's own guard imported it on the first op, ~1 s; a budget's sizing of an op
+    on the meta device whose meta kernel is Python still does); once torch.compile has imported it,
     compiled code called inside a block runs, with eager's gradients, and dynamo never traces
     into the engine (it counts what it met there and cannot trace, the driver's ``dispatch``, as
     unimplemented). Outside compiled code the guard is skipped; inside, it is taken."""

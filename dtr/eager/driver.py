@@ -536,10 +536,10 @@ class Driver(Views, Gradients, HostCopies):
         output (an LM head's logits) is what makes a GPU step fail. Where the headroom is at
         least the largest output this engine has made, no op is expected to pass the budget and
         nothing is done (the hot path's cost when the budget is far away: one comparison).
-        Otherwise the outputs' size is found first (output_size.py: the meta device, cached per
-        op and shapes) and the runtime evicts for it (``Runtime.reserve``). Until one of its
-        blocks has ended, an engine has no largest output to compare with, so it sizes every op
-        (``size_every_op``), at the price of a meta-size lookup per op in that block: a first
+        Otherwise the outputs' size is found first (output_size.py: a shape rule or the meta
+        device, cached per op and shapes) and the runtime evicts for it (``Runtime.reserve``).
+        Until one of its blocks has ended, an engine has no largest output to compare with, so
+        it sizes every op (``size_every_op``), at the price of a size lookup per op in that block: a first
         step is where a cap on device memory is hit (an LM head's logits, larger than any output
         before them, passed a GPU's cap). An engine with a plan does not (``plan=``): its first
         block profiles the segment's stages by the peaks of the engine's count, and room made

@@ -108,9 +108,9 @@ class OpFacts:
         self.in_place = False
         self.one_view = False  # a view op returning one view of its only tensor argument
         self.list_view = False  # a view op returning a list of views of its only tensor argument
-        # Its output sizes may be found on the meta device before it runs (output_size.py):
-        # an aten op returning a new tensor. Other namespaces' kernels may be Python code with
-        # side effects (printing, profiler ranges), which a meta run would repeat.
+        # Its output sizes may be found before it runs (output_size.py: a rule, or a run on the
+        # meta device): an aten op returning a new tensor. Other namespaces' kernels may be
+        # Python code with side effects (printing, profiler ranges), which a meta run would repeat.
         self.sized = False
 
     def __repr__(self) -> str:

@@ -7,11 +7,11 @@ ops a training step runs most (size_rules.py), else from running the op on the m
 (shapes and dtypes only, no data, no random numbers drawn), cached by the op and its
 arguments' shapes and dtypes: a training loop runs the same ops on the same shapes
 every step, so after the first step a lookup is the whole cost. Where an op's real outputs
-turn out larger than the meta device said (``mkldnn_rnn_layer``'s workspace), the driver
-corrects the entry (``correct``), so that the next step makes enough room. Once a real run made
-no more than an entry the meta device sized, the entry is settled: the same shapes and dtypes
-make the same sizes, so its later runs are not measured again (``correct`` costs about as much
-as the lookup). Entries the meta device could not size (data-dependent shapes) never settle.
+turn out larger than sized (``mkldnn_rnn_layer``'s workspace), the driver corrects the entry
+(``correct``), so that the next step makes enough room. Once a real run made no more than a
+sized entry, the entry is settled: the same shapes and dtypes make the same sizes, so its later
+runs are not measured again (``correct`` costs about as much as the lookup). Entries that could
+not be sized (data-dependent shapes) never settle.
 
 What this cannot see: memory a kernel allocates for itself and frees before it returns
 (convolution and matmul workspaces, cuBLAS/cuDNN scratch). No dispatch mode sees it, so it is
@@ -31,8 +31,8 @@ __all__ = ["correct", "flat_tensors", "output_bytes"]
 _Tensor = torch.Tensor
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _SIZES: Dict[Tuple[Any, ...], int] = {}
-_SETTLED: Set[Tuple[Any, ...]] = set()  # a real run made no more than the meta device's size
-_UNSIZED: Set[Tuple[Any, ...]] = set()  # the meta device could not size them
+_SETTLED: Set[Tuple[Any, ...]] = set()  # a real run made no more than the size found
+_UNSIZED: Set[Tuple[Any, ...]] = set()  # no size could be found for them
 _META = torch.device("meta")
 _MAX_ENTRIES = 100_000  # a model with ever-new shapes must not grow the cache without end
 

@@ -7,16 +7,19 @@ torch's meta kernels for most pointwise ops, and for softmax, norms, losses, red
 and ``addmm``, are Python references wrapped in ``torch._disable_dynamo``, whose first call
 imports ``torch._dynamo`` and sympy: about 1.5 s on the 2-core VM, and about 117,000 objects
 that every later full collection of the cyclic collector goes over (a pass there: 73 ms with
-torch and dtr, 136 ms with both). An engine sizes every op of its first block (Note [Room
+torch and dtr loaded, 136 ms with dynamo and sympy too). An engine sizes every op of its first block (Note [Room
 before an op] in driver.py), so without these rules every process that trains under a budget
-paid both. Each rule gives what the meta device gives (tests/test_size_rules.py checks them
-against it on the zoo's steps and on every pointwise op); a rule returns None for what it does
-not know (an unexpected dtype or argument), and the op is sized on the meta device.
+paid both. Each rule gives what the meta device gives, or where a meta kernel promotes dtypes
+otherwise than the CPU kernel does, what the kernel makes (tests/test_size_rules.py checks
+both on the zoo's steps, on every pointwise op and on cases of every rule); a rule returns None
+for what it does not know (an unexpected dtype or argument), and the op is sized on the meta
+device.
 
 A pointwise op's outputs have its tensor arguments' broadcast shape and the dtype its kernel
 promotes them to: the rule runs the op itself on one-element CPU stand-ins of the same dtypes
 and dimensions (a 0-dim tensor promotes differently from a dimensioned one), which draws no
-random numbers (seeded ops are left out) and touches no argument.
+random numbers (seeded ops are left out) and touches no argument. Autocast has already cast the
+arguments the driver sees, and its policies cast nothing twice.
 """
 
 from __future__ import annotations
@@ -84,23 +87,18 @@ def _broadcast(shapes) -> list:
     return out
 
 
-def _no_autocast():
-    return torch.autocast("cpu", enabled=False)
-
-
 def _stand_in(a):
     if isinstance(a, _Tensor):
-        return torch.ones((1,) * a.dim(), dtype=a.dtype)
+        return torch.ones((1,) * a.dim(), dtype=a.dtype, device="cpu")  # whatever the default device
     if isinstance(a, (list, tuple, torch.device)):
         raise TypeError("not a pointwise argument")
     return a
 
 
-def _pointwise(func, args, kwargs) -> Optional[int]:
+def _pointwise(func, args, kwargs) -> int:
     shapes = [a.shape for a in (*args, *kwargs.values()) if isinstance(a, _Tensor)]
     numel = math.prod(_broadcast(shapes))
-    # the op as the block's modes and autocast already passed it on, unseen by them
-    with _no_python_dispatch(), _no_autocast():
+    with _no_python_dispatch():  # unseen by the block's modes
         stand_ins = [_stand_in(a) for a in args]
         kw = {k: _stand_in(v) for k, v in kwargs.items()}
         out = func(*stand_ins, **kw)
@@ -141,12 +139,14 @@ def _softmax(func, args, kwargs):
 
 
 def _safe_softmax(func, args, kwargs):
-    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    return _like(args[0], dtype)
+    return _like(args[0], args[2] if len(args) > 2 else None)
 
 
 def _softmax_backward(func, args, kwargs):
-    return _like(args[0], args[3])
+    grad, dtype = args[0], args[3]
+    # CPU kernels give the gradient's dtype, CUDA's half-to-float path the input's: both agree
+    # where the two are the same, as autograd passes them
+    return _like(grad) if grad.dtype == dtype else None
 
 
 def _layer_norm(func, args, kwargs):
@@ -166,7 +166,7 @@ def _layer_norm_backward(func, args, kwargs):
 
 
 def _batch_norm(func, args, kwargs):
-    x, weight, training = args[0], args[1], args[5]
+    x, training = args[0], args[5]
     if x.dtype not in _FLOAT or not training or x.dim() < 2:
         return None
     return _like(x) + 2 * x.shape[1] * x.element_size()
@@ -192,7 +192,7 @@ def _like_second(func, args, kwargs):
 
 def _mse_loss(func, args, kwargs):
     x, target = args[0], args[1]
-    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    reduction = args[2] if len(args) > 2 else 1
     if x.shape != target.shape or x.dtype != target.dtype:
         return None
     return x.element_size() if reduction else _like(x)
@@ -237,36 +237,36 @@ def _factory_dtype(kwargs, default: torch.dtype) -> Optional[torch.dtype]:
 def _factory(func, args, kwargs):
     """``empty``, ``zeros``, ``ones``: the given sizes, in the given dtype or the default one."""
     dtype = _factory_dtype(kwargs, torch.get_default_dtype())
-    return None if dtype is None or len(args) > 1 else math.prod(args[0]) * dtype.itemsize
+    return None if dtype is None else math.prod(args[0]) * dtype.itemsize
 
 
 def _arange(func, args, kwargs):
-    ends = list(args) if func is not _aten.arange.default else [0, args[0]]
-    start, end, step = (ends + [1])[:3]
+    bounds = list(args) if func is not _aten.arange.default else [0, args[0]]
+    start, end, step = (bounds + [1])[:3]
     if not all(type(v) in (int, float) for v in (start, end, step)):
         return None
     ints = all(type(v) is int for v in (start, end, step))
     dtype = _factory_dtype(kwargs, torch.int64 if ints else torch.get_default_dtype())
-    return None if dtype is None else max(0, math.ceil((end - start) / step)) * dtype.itemsize
+    if dtype is None or not (ints or dtype.is_floating_point):
+        return None  # float bounds into integers: the kernel rounds them first
+    return max(0, math.ceil((end - start) / step)) * dtype.itemsize
 
 
 def _like_factory(func, args, kwargs):
     """``empty_like``, ``zeros_like``, ``ones_like``: the argument's numel, its dtype or the given one."""
     dtype = _factory_dtype(kwargs, args[0].dtype)
-    return None if dtype is None or len(args) > 1 else args[0].numel() * dtype.itemsize
+    return None if dtype is None else args[0].numel() * dtype.itemsize
 
 
 def _new_factory(func, args, kwargs):
     """``new_zeros``, ``new_empty``, ``new_ones``: the given sizes, the tensor's dtype or the given one."""
     dtype = _factory_dtype(kwargs, args[0].dtype)
-    return None if dtype is None or len(args) > 2 else math.prod(args[1]) * dtype.itemsize
+    return None if dtype is None else math.prod(args[1]) * dtype.itemsize
 
 
 def _reduction(func, args, kwargs):
     """``sum.dim_IntList``, ``mean.dim``: what the named dims leave, in the given dtype or the input's."""
-    x = args[0]
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    x, dims, dtype = args[0], args[1], kwargs.get("dtype")
     if dtype is None and not x.dtype.is_floating_point:
         return None  # integers sum to int64, and mean refuses them
     if not dims:
