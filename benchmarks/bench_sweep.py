@@ -46,8 +46,9 @@ loops <= 1.5x at 0.5 and 2.0x at 0.3.
     python benchmarks/bench_sweep.py --plot-only               # redraw from the JSON rows
 
 Rows go to ``benchmarks/results/sweep.jsonl`` (commit, machine, torch, threads, load, the run's
-start time and the heuristics that existed then on each); ``results/sweep.png`` plots the latest
-run of each section when matplotlib is installed. PyTorch runs with ``--threads`` intra-op
+start time and the heuristics that existed then on each), or to ``--out``; ``results/sweep.png``
+(``--out``'s name ending in ``.png``, or ``--plot``) plots the latest run of each section when
+matplotlib is installed. PyTorch runs with ``--threads`` intra-op
 threads (1 by default: on a shared 2-core machine two threads make timings swing).
 """
 
@@ -543,9 +544,10 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per real step")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", type=Path, default=RESULTS / "sweep.jsonl")
-    ap.add_argument("--plot", type=Path, default=RESULTS / "sweep.png")
+    ap.add_argument("--plot", type=Path, help="the figure's file (default: --out's, ending in .png)")
     ap.add_argument("--plot-only", action="store_true", help="redraw from --out's rows, run nothing")
     args = ap.parse_args()
+    args.plot = args.plot or args.out.with_suffix(".png")  # a run into another file leaves the shipped figure be
     if args.plot_only:
         rows = latest_rows(args.out)
         summarize(rows)
