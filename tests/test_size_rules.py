@@ -219,9 +219,25 @@ _CASES = [
     (aten.native_layer_norm_backward.default, (torch.randn(2, 3, 4), torch.randn(2, 3, 4), [4], torch.randn(2, 3, 1),
                                                torch.randn(2, 3, 1), torch.randn(4), None, [True, True, False]), {}),
     (aten.native_batch_norm.default, (torch.randn(2, 3, 4), None, None, None, None, True, 0.1, 1e-5), {}),
+    (aten.native_batch_norm.default, (torch.randn(2, 3, 4, dtype=torch.bfloat16), *[torch.ones(3, dtype=torch.bfloat16)] * 4,
+                                      True, 0.1, 1e-5), {}),  # CPU keeps bf16 statistics: the rule's is an upper bound
+    (aten.native_layer_norm.default, (torch.randn(2, 3, 4, dtype=torch.float16), [4], None, None, 1e-5), {}),
     (aten.native_batch_norm_backward.default, (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(3), None, None,
                                                torch.randn(3), torch.rand(3), True, 1e-5, [True, False, True]), {}),
     (aten.sort.default, (x, 1), {}),
+    (aten.convolution.default, (torch.randn(2, 3, 9, 8), torch.randn(4, 3, 3, 2), None, [2, 1], [1, 0], [1, 2],
+                                False, [0, 0], 1), {}),
+    (aten.convolution.default, (torch.randn(2, 4, 10), torch.randn(6, 2, 3), torch.randn(6), [3], [2], [1], False,
+                                [0], 2), {}),
+    (aten.convolution.default, (torch.randn(1, 4, 5, 5), torch.randn(4, 3, 3, 3), None, [2, 2], [1, 1], [1, 1],
+                                True, [1, 0], 2), {}),
+    (aten.convolution_backward.default, (torch.randn(2, 4, 3, 4), torch.randn(2, 3, 5, 6), torch.randn(4, 3, 3, 3),
+                                         [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True]), {}),
+    (aten.convolution_backward.default, (torch.randn(2, 4, 3, 4), torch.randn(2, 3, 5, 6), torch.randn(4, 3, 3, 3),
+                                         None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False]), {}),
+    (aten.max_pool2d_with_indices.default, (torch.randn(2, 3, 9, 7), [3, 2]), {}),
+    (aten.max_pool2d_with_indices.default, (torch.randn(3, 9, 7), [3, 3], [2, 2], [1, 1], [1, 1], True), {}),
+    (aten.max_pool2d_with_indices.default, (torch.randn(1, 1, 6, 6), [2], [2], [1], [2], True), {}),
     (aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.randn(2, 4)), {}),
     (aten.max_pool2d_with_indices_backward.default, (torch.randn(1, 2, 2, 2), torch.randn(1, 2, 4, 4), [2, 2], [2, 2],
                                                      [0, 0], [1, 1], False, torch.zeros(1, 2, 2, 2, dtype=torch.long)), {}),
@@ -263,7 +279,7 @@ def test_a_budgeted_step_imports_neither_dynamo_nor_sympy():
     script = (
         "import sys, torch, dtr\n"
         "from dtr.testing import zoo\n"
-        "for name in ('mlp', 'transformer', 'lstm', 'gru_cell', 'treelstm_batch', 'lstm_packed'):\n"
+        "for name in ('mlp', 'resnet', 'transformer', 'lstm', 'gru_cell', 'treelstm_batch', 'lstm_packed'):\n"
         "    w = zoo.build(name, 'tiny')\n"
         "    with dtr.budget('1 GiB'):\n"
         "        w.loss_fn(w.model, w.batch).backward()\n"

@@ -5,7 +5,8 @@ Note [Sizes without the meta device]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 torch's meta kernels for most pointwise ops, and for softmax, norms, losses, reductions, ``cat``
 and ``addmm``, are Python references wrapped in ``torch._disable_dynamo``, whose first call
-imports ``torch._dynamo`` and sympy: about 1.5 s on the 2-core VM, and about 117,000 objects
+imports ``torch._dynamo`` and sympy (most other Python meta kernels, ``mm``'s and convolution's
+among them, import sympy): about 1.5 s on the 2-core VM, and about 117,000 objects
 that every later full collection of the cyclic collector goes over (a pass there: 73 ms with
 torch and dtr loaded, 136 ms with dynamo and sympy too). An engine sizes every op of its first block (Note [Room
 before an op] in driver.py), so without these rules every process that trains under a budget
@@ -35,7 +36,16 @@ _Tensor = torch.Tensor
 _aten = torch.ops.aten
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
-_FLOAT = (torch.float32, torch.float64)  # norms keep their statistics in these; others differ by device
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _statistic_size(x: _Tensor) -> Optional[int]:
+    """Bytes of a norm's saved mean or inverse deviation per element: float32 for half inputs,
+    as CUDA and the meta device keep them (CPU kernels with half weights keep half: an upper
+    bound there), the input's own dtype for float32 and float64; None for others."""
+    if x.dtype in _LOW:
+        return 4
+    return x.element_size() if x.dtype in (torch.float32, torch.float64) else None
 
 
 def rule_bytes(func, args, kwargs) -> Optional[int]:
@@ -151,10 +161,11 @@ def _softmax_backward(func, args, kwargs):
 
 def _layer_norm(func, args, kwargs):
     x, normalized = args[0], args[1]
-    if x.dtype not in _FLOAT:
+    stat = _statistic_size(x)
+    if stat is None:
         return None
     rows = math.prod(x.shape[: x.dim() - len(normalized)])
-    return _like(x) + 2 * rows * x.element_size()
+    return _like(x) + 2 * rows * stat
 
 
 def _layer_norm_backward(func, args, kwargs):
@@ -167,14 +178,15 @@ def _layer_norm_backward(func, args, kwargs):
 
 def _batch_norm(func, args, kwargs):
     x, training = args[0], args[5]
-    if x.dtype not in _FLOAT or not training or x.dim() < 2:
+    stat = _statistic_size(x)
+    if stat is None or not training or x.dim() < 2:
         return None
-    return _like(x) + 2 * x.shape[1] * x.element_size()
+    return _like(x) + 2 * x.shape[1] * stat
 
 
 def _batch_norm_backward(func, args, kwargs):
     x, weight, mask = args[1], args[2], args[9]
-    if weight is None or x.dtype not in _FLOAT:
+    if weight is None or not x.dtype.is_floating_point:
         return None
     return (_like(x) if mask[0] else 0) + (mask[1] + mask[2]) * _like(weight)
 
@@ -276,6 +288,58 @@ def _reduction(func, args, kwargs):
     return math.prod(kept) * (dtype.itemsize if dtype is not None else x.element_size())
 
 
+def _per_dim(values, dims: int) -> list:
+    values = list(values)
+    if len(values) == 1:
+        values *= dims
+    if len(values) != dims:
+        raise ValueError("one value per spatial dimension")
+    return values
+
+
+def _convolution(func, args, kwargs):
+    x, weight, _, stride, padding, dilation, transposed, output_padding, groups = args
+    if x.dim() != weight.dim() or x.dtype != weight.dtype:
+        return None  # an unbatched input, or mixed dtypes: the meta device says
+    dims = x.dim() - 2
+    stride, padding, dilation = (_per_dim(v, dims) for v in (stride, padding, dilation))
+    kernel = weight.shape[2:]
+    if transposed:
+        extra = _per_dim(output_padding, dims)
+        sizes = [(n - 1) * s - 2 * p + d * (k - 1) + e + 1
+                 for n, s, p, d, k, e in zip(x.shape[2:], stride, padding, dilation, kernel, extra)]
+        channels = weight.shape[1] * groups
+    else:
+        sizes = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+                 for n, s, p, d, k in zip(x.shape[2:], stride, padding, dilation, kernel)]
+        channels = weight.shape[0]
+    return x.shape[0] * channels * math.prod(sizes) * x.element_size()
+
+
+def _convolution_backward(func, args, kwargs):
+    grad, x, weight, bias_sizes, mask = args[0], args[1], args[2], args[3], args[10]
+    if not (grad.dtype == x.dtype == weight.dtype) or (mask[2] and bias_sizes is None):
+        return None
+    bias = math.prod(bias_sizes) * x.element_size() if mask[2] else 0
+    return mask[0] * _like(x) + mask[1] * _like(weight) + bias
+
+
+def _max_pool2d(func, args, kwargs):
+    x, kernel = args[0], _per_dim(args[1], 2)
+    stride = _per_dim(args[2], 2) if len(args) > 2 and args[2] else kernel
+    padding = _per_dim(args[3], 2) if len(args) > 3 else [0, 0]
+    dilation = _per_dim(args[4], 2) if len(args) > 4 else [1, 1]
+    ceil_mode = args[5] if len(args) > 5 else False
+    sizes = []
+    for n, k, s, p, d in zip(x.shape[-2:], kernel, stride, padding, dilation):
+        out = (n + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (out - 1) * s >= n + p:  # the last window would start in the padding
+            out -= 1
+        sizes.append(out)
+    numel = math.prod(x.shape[:-2]) * math.prod(sizes)
+    return numel * (x.element_size() + 8)  # the values, and int64 indices
+
+
 def _sort(func, args, kwargs):
     return args[0].numel() * (args[0].element_size() + 8)  # the values, and int64 indices
 
@@ -323,6 +387,9 @@ def _table() -> Dict[object, Callable]:
         "arange.default": _arange,
         "arange.start": _arange,
         "arange.start_step": _arange,
+        "convolution.default": _convolution,
+        "convolution_backward.default": _convolution_backward,
+        "max_pool2d_with_indices.default": _max_pool2d,
         "index_add.default": _like_first,
         "max_pool2d_with_indices_backward.default": _like_second,
         "sort.default": _sort,
