@@ -13,6 +13,7 @@ import dtr
 from dtr.eager import accumulation, native
 from dtr.sim import load
 from dtr.testing.memory import profiled_peak
+from fresh_process import run_python
 
 WIDTH = 256  # a weight of 256 KiB, used USES times on a batch of 2: its gradients dominate
 USES = 8
@@ -178,9 +179,6 @@ def test_sums_inside_a_backward_formula_stay_out_of_place(tmp_path):
 def test_a_first_block_under_no_grad_calibrates(tmp_path):
     """The calibration runs its own backward whatever the caller's grad mode (a fresh process:
     it runs once per process)."""
-    import subprocess
-    import sys
-
     code = (
         "import torch, dtr\n"
         "from dtr.eager import accumulation\n"
@@ -189,6 +187,5 @@ def test_a_first_block_under_no_grad_calibrates(tmp_path):
         "        y = torch.ones(3) * 2\n"
         "print(accumulation._exclusive)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() not in ("()", "None"), out.stdout
+    out = run_python(code, timeout=120)
+    assert out.strip() not in ("()", "None"), out

@@ -2,17 +2,16 @@
 README's test command."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from fresh_process import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _imports_torch(module: str) -> bool:
     code = f"import sys, {module}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return out.stdout.strip() == "True"
+    return run_python(code).strip() == "True"
 
 
 def test_engine_does_not_import_torch():

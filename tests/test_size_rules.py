@@ -4,8 +4,6 @@ dtr/eager/size_rules.py): wherever a rule answers, it gives what the meta device
 from __future__ import annotations
 
 import collections
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dtr.eager import output_size, size_rules
 from dtr.eager.size_rules import rule_bytes
 from dtr.testing import zoo
+from fresh_process import run_python
 
 aten = torch.ops.aten
 
@@ -287,6 +286,4 @@ def test_a_budgeted_step_imports_neither_dynamo_nor_sympy():
         "        w.loss_fn(w.model, w.batch).backward() if name != 'lstm' else None\n"
         "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert run_python(script).strip() == "[]"

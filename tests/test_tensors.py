@@ -14,6 +14,7 @@ import torch.nn as nn
 import dtr
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 from dtr.testing.zoo import build
+from fresh_process import run_python
 
 
 def _chain(n=10, width=64, batch=64):
@@ -240,9 +241,6 @@ def test_a_block_does_not_import_dynamo_and_compiled_code_inside_one_works():
     compiled code called inside a block runs, with eager's gradients, and dynamo never traces
     into the engine (it counts what it met there and cannot trace, the driver's ``dispatch``, as
     unimplemented). Outside compiled code the guard is skipped; inside, it is taken."""
-    import subprocess
-    import sys
-
     code = """
 import sys, warnings, torch, dtr
 x = torch.randn(8, requires_grad=True)
@@ -261,17 +259,16 @@ with warnings.catch_warnings():
 print(torch.equal(dtr.materialize(got), want))
 print(dict(counters["unimplemented"]) or "traced nothing it cannot")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    imported, same, untraced = out.stdout.splitlines()
-    assert (imported, same) == ("no dynamo", "True"), out.stdout
+    out = run_python(code)
+    imported, same, untraced = out.splitlines()
+    assert (imported, same) == ("no dynamo", "True"), out
     if torch.__version__ >= (2, 5):
-        assert untraced == "traced nothing it cannot", out.stdout
+        assert untraced == "traced nothing it cannot", out
     else:
         # torch 2.4's dynamo cannot trace the wrapper's own methods (``DTRTensor.__mul__``): it
         # breaks the graph there, before the engine, and runs that frame eagerly.
         met = {} if untraced == "traced nothing it cannot" else ast.literal_eval(untraced)
-        assert all("(DTRTensor)" in k for k in met), out.stdout
+        assert all("(DTRTensor)" in k for k in met), out
 
 
 @pytest.mark.parametrize("change", [
