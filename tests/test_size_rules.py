@@ -243,6 +243,8 @@ _CASES = [
     (aten.tril.default, (x,), {}),
     (aten.triu.default, (x, 1), {}),
     (aten.any.default, (x,), {}),
+    (aten.all.default, (torch.ones(3, 2, dtype=torch.uint8),), {}),
+    (aten.gather.default, (x, 1, torch.tensor([[0, 1, 1], [2, 0, 3], [1, 1, 1]])), {}),
 ]
 
 

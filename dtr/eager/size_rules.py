@@ -345,7 +345,11 @@ def _sort(func, args, kwargs):
 
 
 def _any(func, args, kwargs):
-    return 1  # one bool
+    return 1  # one bool (uint8 for uint8 input: the same byte)
+
+
+def _gather(func, args, kwargs):
+    return args[2].numel() * args[0].element_size()  # the index's shape, the input's dtype
 
 
 def _like_first(func, args, kwargs):
@@ -397,6 +401,8 @@ def _table() -> Dict[object, Callable]:
         "new_empty.default": _new_factory,
         "new_ones.default": _new_factory,
         "any.default": _any,
+        "all.default": _any,
+        "gather.default": _gather,
         "tril.default": _like_first,
         "triu.default": _like_first,
     }
