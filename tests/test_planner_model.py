@@ -2,13 +2,12 @@
 
 import doctest
 import math
-import subprocess
-import sys
 
 import pytest
 
 import dtr.planner
 from dtr.planner import Chain, evaluate
+from fresh_process import run_python
 from planner_support import TOY
 
 # The paper's optimal toy sequence at 90 MB (planner notes §1.8, errata 3), loss ops implicit.
@@ -134,7 +133,7 @@ def test_budget_too_small_for_an_op_even_without_transfers():
 
 def test_import_does_not_load_torch():
     code = "import sys, dtr.planner; assert 'torch' not in sys.modules, 'dtr.planner imported torch'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
 
 
 def test_package_tour_runs():

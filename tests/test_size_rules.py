@@ -230,6 +230,12 @@ _CASES = [
                                 [0], 2), {}),
     (aten.convolution.default, (torch.randn(1, 4, 5, 5), torch.randn(4, 3, 3, 3), None, [2, 2], [1, 1], [1, 1],
                                 True, [1, 0], 2), {}),
+    (aten.convolution.default, (torch.randn(2, 4, 5, 6), torch.randn(4, 2, 3, 2), None, [2, 1], [1, 0], [2, 1],
+                                True, [1, 0], 1), {}),
+    (aten.convolution.default, (torch.randn(1, 2, 5, 6, 7), torch.randn(3, 2, 2, 3, 3), None, [1, 2, 1], [0, 1, 1],
+                                [2, 1, 1], False, [0, 0, 0], 1), {}),
+    (aten.convolution_backward.default, (torch.randn(1, 6, 11, 11), torch.randn(1, 4, 5, 5), torch.randn(4, 3, 3, 3),
+                                         [6], [2, 2], [1, 1], [1, 1], True, [1, 1], 2, [True, True, True]), {}),
     (aten.convolution_backward.default, (torch.randn(2, 4, 3, 4), torch.randn(2, 3, 5, 6), torch.randn(4, 3, 3, 3),
                                          [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True]), {}),
     (aten.convolution_backward.default, (torch.randn(2, 4, 3, 4), torch.randn(2, 3, 5, 6), torch.randn(4, 3, 3, 3),
@@ -237,6 +243,8 @@ _CASES = [
     (aten.max_pool2d_with_indices.default, (torch.randn(2, 3, 9, 7), [3, 2]), {}),
     (aten.max_pool2d_with_indices.default, (torch.randn(3, 9, 7), [3, 3], [2, 2], [1, 1], [1, 1], True), {}),
     (aten.max_pool2d_with_indices.default, (torch.randn(1, 1, 6, 6), [2], [2], [1], [2], True), {}),
+    (aten.max_pool2d_with_indices.default, (torch.randn(1, 1, 5, 5), [2, 2], [2, 2], [1, 1], [1, 1], True), {}),
+    (aten.max_pool2d_with_indices.default, (torch.randn(1, 2, 7, 7), [3, 2], [], [1, 0], [1, 1], True), {}),
     (aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.randn(2, 4)), {}),
     (aten.max_pool2d_with_indices_backward.default, (torch.randn(1, 2, 2, 2), torch.randn(1, 2, 4, 4), [2, 2], [2, 2],
                                                      [0, 0], [1, 1], False, torch.zeros(1, 2, 2, 2, dtype=torch.long)), {}),
@@ -253,6 +261,17 @@ def test_each_rule_agrees_with_the_meta_device_beyond_the_zoo(func, args, kwargs
     """Arguments the zoo's steps do not pass: other dtypes, negative dims, float ranges,
     reductions over everything, empty tensors, promotion in ``cat``."""
     assert _agree(func, args, kwargs)
+
+
+def test_a_convolution_s_bias_gradient_alone_counts_the_weight_s_too():
+    """A frozen weight with a trained bias: oneDNN's CPU path makes the weight's gradient too,
+    which the meta device does not count; the rule does, above the kernel or equal to it."""
+    args = (torch.randn(4, 8, 6, 6), torch.randn(4, 3, 8, 8), torch.randn(8, 3, 3, 3), [8], [1, 1], [0, 0], [1, 1],
+            False, [0, 0], 1, [True, False, True])
+    func = aten.convolution_backward.default
+    n = rule_bytes(func, args, {})
+    assert n == output_size._on_meta(func, args, {}) + 8 * 3 * 3 * 3 * 4
+    assert n >= _made(func, args, {})
 
 
 def test_every_rule_has_a_case():

@@ -41,8 +41,9 @@ _LOW = (torch.float16, torch.bfloat16)
 
 def _statistic_size(x: _Tensor) -> Optional[int]:
     """Bytes of a norm's saved mean or inverse deviation per element: float32 for half inputs,
-    as CUDA and the meta device keep them (CPU kernels with half weights keep half: an upper
-    bound there), the input's own dtype for float32 and float64; None for others."""
+    as CUDA and the meta device keep them (CPU kernels keep the input's half dtype unless the
+    weights are float32: an upper bound there), the input's own dtype for float32 and float64;
+    None for others."""
     if x.dtype in _LOW:
         return 4
     return x.element_size() if x.dtype in (torch.float32, torch.float64) else None
@@ -300,17 +301,17 @@ def _per_dim(values, dims: int) -> list:
 def _convolution(func, args, kwargs):
     x, weight, _, stride, padding, dilation, transposed, output_padding, groups = args
     if x.dim() != weight.dim() or x.dtype != weight.dtype:
-        return None  # an unbatched input, or mixed dtypes: the meta device says
+        return None  # an input without a batch dimension (the kernel refuses it), or mixed dtypes
     dims = x.dim() - 2
     stride, padding, dilation = (_per_dim(v, dims) for v in (stride, padding, dilation))
     kernel = weight.shape[2:]
     if transposed:
         extra = _per_dim(output_padding, dims)
-        sizes = [(n - 1) * s - 2 * p + d * (k - 1) + e + 1
+        sizes = [max(0, (n - 1) * s - 2 * p + d * (k - 1) + e + 1)
                  for n, s, p, d, k, e in zip(x.shape[2:], stride, padding, dilation, kernel, extra)]
         channels = weight.shape[1] * groups
     else:
-        sizes = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+        sizes = [max(0, (n + 2 * p - d * (k - 1) - 1) // s + 1)
                  for n, s, p, d, k in zip(x.shape[2:], stride, padding, dilation, kernel)]
         channels = weight.shape[0]
     return x.shape[0] * channels * math.prod(sizes) * x.element_size()
@@ -321,7 +322,10 @@ def _convolution_backward(func, args, kwargs):
     if not (grad.dtype == x.dtype == weight.dtype) or (mask[2] and bias_sizes is None):
         return None
     bias = math.prod(bias_sizes) * x.element_size() if mask[2] else 0
-    return mask[0] * _like(x) + mask[1] * _like(weight) + bias
+    # oneDNN's CPU path makes the weight's gradient with the bias's even where it is not asked
+    # for (a frozen weight, a trained bias): counted there, an upper bound where it does not
+    weight_too = mask[1] or (mask[2] and weight.device.type == "cpu")
+    return mask[0] * _like(x) + weight_too * _like(weight) + bias
 
 
 def _max_pool2d(func, args, kwargs):
@@ -335,7 +339,7 @@ def _max_pool2d(func, args, kwargs):
         out = (n + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
         if ceil_mode and (out - 1) * s >= n + p:  # the last window would start in the padding
             out -= 1
-        sizes.append(out)
+        sizes.append(max(0, out))
     numel = math.prod(x.shape[:-2]) * math.prod(sizes)
     return numel * (x.element_size() + 8)  # the values, and int64 indices
 
