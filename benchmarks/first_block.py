@@ -38,26 +38,15 @@ def child(name: str, sizing: str) -> dict:
     import dtr
     from dtr.eager import output_size
     from dtr.testing import zoo
+    from dtr.testing.step import timed_step
 
     if sizing == "meta":  # output_size looks the name up at each size it finds
         output_size.rule_bytes = lambda func, args, kwargs: None
     torch.set_num_threads(1)
     w = zoo.build(name, "bench")
-
-    def step(budget) -> float:
-        for p in w.model.parameters():
-            p.grad = None
-        t0 = time.perf_counter()
-        if budget is None:
-            w.loss_fn(w.model, w.batch).backward()
-        else:
-            with dtr.budget(budget):
-                w.loss_fn(w.model, w.batch).backward()
-        return time.perf_counter() - t0
-
-    eager = step(None)
-    first = step("64 GiB")
-    second = step("64 GiB")
+    eager = timed_step(w, w.model)
+    first = timed_step(w, w.model, dtr.budget("64 GiB"))
+    second = timed_step(w, w.model, dtr.budget("64 GiB"))
     t0 = time.perf_counter()
     gc.collect()
     full = time.perf_counter() - t0

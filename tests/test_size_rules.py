@@ -1,5 +1,6 @@
 """Output sizes without the meta device (Note [Sizes without the meta device] in
-dtr/eager/size_rules.py): wherever a rule answers, it gives what the meta device gives."""
+dtr/eager/size_rules.py): wherever a rule answers, it gives what the meta device gives or what
+the real kernel makes, and never less than the kernel makes."""
 
 from __future__ import annotations
 
@@ -114,7 +115,10 @@ def _arguments(func, first: torch.dtype):
             v = _STRINGS[a.name]
         else:
             return None
-        (kwargs.__setitem__(a.name, v) if a.kwarg_only else args.append(v))
+        if a.kwarg_only:
+            kwargs[a.name] = v
+        else:
+            args.append(v)
     return args, kwargs
 
 
@@ -303,8 +307,9 @@ def test_a_budgeted_step_imports_neither_dynamo_nor_sympy():
         "    w = zoo.build(name, 'tiny')\n"
         "    with dtr.budget('1 GiB'):\n"
         "        w.loss_fn(w.model, w.batch).backward()\n"
-        "    with dtr.budget('1 GiB'), torch.autocast('cpu', dtype=torch.bfloat16):\n"
-        "        w.loss_fn(w.model, w.batch).backward() if name != 'lstm' else None\n"
+        "    if name != 'lstm':  # oneDNN has no bf16 LSTM on this CPU\n"
+        "        with dtr.budget('1 GiB'), torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "            w.loss_fn(w.model, w.batch).backward()\n"
         "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
     )
     assert run_python(script).strip() == "[]"

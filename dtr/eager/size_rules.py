@@ -6,11 +6,11 @@ Note [Sizes without the meta device]
 torch's meta kernels for most pointwise ops, and for softmax, norms, losses, reductions, ``cat``
 and ``addmm``, are Python references wrapped in ``torch._disable_dynamo``, whose first call
 imports ``torch._dynamo`` and sympy (most other Python meta kernels, ``mm``'s and convolution's
-among them, import sympy): about 1.5 s on the 2-core VM, and about 117,000 objects
-that every later full collection of the cyclic collector goes over (a pass there: 73 ms with
-torch and dtr loaded, 136 ms with dynamo and sympy too). An engine sizes every op of its first block (Note [Room
-before an op] in driver.py), so without these rules every process that trains under a budget
-paid both. Each rule gives what the meta device gives, or where a meta kernel promotes dtypes
+among them, import sympy): about 1.5 s on the 2-core VM, and about 117,000 objects that
+every later full collection of the cyclic collector goes over (a pass there: 73 ms with torch
+and dtr loaded, 136 ms with dynamo and sympy too). An engine sizes every op of its first block
+(Note [Room before an op] in driver.py), so without these rules every process that trains
+under a budget paid both. Each rule gives what the meta device gives, or where a meta kernel promotes dtypes
 otherwise than the CPU kernel does, what the kernel makes (tests/test_size_rules.py checks
 both on the zoo's steps, on every pointwise op and on cases of every rule); a rule returns None
 for what it does not know (an unexpected dtype or argument), and the op is sized on the meta
@@ -84,6 +84,7 @@ _POINTWISE = _Pointwise()
 
 
 def _broadcast(shapes) -> list:
+    # torch.broadcast_shapes would do, but it imports sympy
     out: list = []
     for shape in shapes:
         shape = list(shape)
@@ -348,7 +349,7 @@ def _sort(func, args, kwargs):
     return args[0].numel() * (args[0].element_size() + 8)  # the values, and int64 indices
 
 
-def _any(func, args, kwargs):
+def _one_byte(func, args, kwargs):
     return 1  # one bool (uint8 for uint8 input: the same byte)
 
 
@@ -404,8 +405,8 @@ def _table() -> Dict[object, Callable]:
         "new_zeros.default": _new_factory,
         "new_empty.default": _new_factory,
         "new_ones.default": _new_factory,
-        "any.default": _any,
-        "all.default": _any,
+        "any.default": _one_byte,
+        "all.default": _one_byte,
         "gather.default": _gather,
         "tril.default": _like_first,
         "triu.default": _like_first,
