@@ -12,6 +12,11 @@ run and turn into failures to look at once the engine handles them:
   slices, must be resident to recompute any step). On CUDA they do at 70% too: the fused
   cuDNN RNN's backward needs its reserve space, the sequence's outputs and their gradients at
   once, more than 70% of the tiny presets' evictable room.
+- at 50%, the tiny ``lstm_cell_masked`` step raises ``OutOfBudgetError`` too: a replay of a
+  step's ``addmm`` with its locked inputs and the permanent gradient sums needs 9.6 KiB, and
+  half the room of its unconstrained peak is 9.4 KiB since that peak no longer holds the
+  embedded sequence's full-size gradient of each step (Note [Scattered gradients]); at the
+  budget half the room was before (10.1 KiB) it runs.
 - ``pad_packed_sequence`` fails under any ``dtr.budget``, ``None`` included: its C++ kernel
   allocates its ``lengths`` output with ``at::empty`` (which the mode turns into a wrapper with
   no data) and writes it through a raw pointer. ``build("lstm_packed", pool=True)`` is the zoo
@@ -29,7 +34,7 @@ from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
 from conftest import DEVICE, workload
 
 # (model, fraction) pairs that fail today; see the module docstring.
-KNOWN_FAILURES = {("gru", 0.5), ("lstm_packed", 0.5)}
+KNOWN_FAILURES = {("gru", 0.5), ("lstm_packed", 0.5), ("lstm_cell_masked", 0.5)}
 if DEVICE.type == "cuda":
     KNOWN_FAILURES |= {("gru", 0.7), ("lstm_packed", 0.7)}
 

@@ -340,6 +340,7 @@ def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
     values, cost = rt.executor.replay(rec)
     now = rt.clock
     added = False
+    made = False  # an output of ``Runtime.defer`` computed for the first time
     brought = 0  # bytes back in memory
     for cell, v in zip(rec.outputs, values):
         if type(cell) is _Weak:  # a view (Note [Views held weakly])
@@ -352,6 +353,9 @@ def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
             continue  # a swapped sibling stays on the host: no room was made for it
         if cell is s.root:
             if state is EVICTED:
+                if rt.unmade and s in rt.unmade:
+                    rt.unmade.discard(s)
+                    made = True
                 s.state = RESIDENT
                 rt.resident[s] = None
                 rt.memory += s.nbytes
@@ -365,7 +369,9 @@ def _replay(rt: Runtime, rec: OpRecord, wanted: dict) -> None:
         s.last_access = now
     for s in rec.use_storages:
         s.last_access = now
-    if added:  # re-deriving a view of a resident storage is not a rematerialization
+    if made:  # the op runs for the first time (Runtime.defer): its work, as if it had run then
+        rt.work += cost
+    elif added:  # re-deriving a view of a resident storage is not a rematerialization
         _retire_old_versions(rt, rec, wanted)
         c = rt.counters
         c.rematerializations += 1

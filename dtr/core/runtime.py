@@ -137,6 +137,7 @@ class Runtime:
         "host",
         "arriving",
         "_yielding",
+        "unmade",
         "_untrack",
         "_wrapper_died",
         "events",
@@ -225,6 +226,9 @@ class Runtime:
         # Storages without lineage that give way to their dependents once dead (``_unreferenced``):
         # outputs of ops ``retire`` ended, sums made permanent with ``yielding=True``.
         self._yielding: "weakref.WeakSet[Storage]" = weakref.WeakSet()
+        # Outputs of ``defer`` not yet made: their first replay is the op's own work, not a
+        # rematerialization (rematerialize._replay).
+        self.unmade: "weakref.WeakSet[Storage]" = weakref.WeakSet()
         self._untrack = collector.untrack if untracked else None
         # One bound method for every Ref's callback, not a new one (a kept object) per wrapper.
         self._wrapper_died = self._on_wrapper_death
@@ -427,6 +431,24 @@ class Runtime:
         if self.on_op is not None:
             self.on_op(self)
         return outs  # type: ignore[return-value]
+
+    def defer(self, rec: OpRecord, nbytes: int) -> Storage:
+        """Register an op that has not run: its one output, ``nbytes`` of a new storage, is born
+        evicted, to be computed by replaying ``rec`` if anything reads it (Note [Scattered
+        gradients] in eager/scattered.py). ``rec.inputs`` are not acquired: nothing reads them
+        now, but the lineage keeps them recomputable for as long as the output lives."""
+        now = self.clock = self.clock + 1
+        s = self._new_storage(nbytes, rec, 0, None, now)
+        self.unmade.add(s)
+        rec.outputs = [s]
+        wire(self, rec, [s], now)
+        self._evict(s)  # never charged beyond this call: it holds no data
+        if self.host is not None:
+            self.host.log.costs.append(0.0)  # the clock moved; the op cost nothing yet
+            self.host.after_op()
+        if self.on_op is not None:
+            self.on_op(self)
+        return s
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1

@@ -18,7 +18,7 @@ as they once were, the 66 view replays of the bench transformer's seeded step at
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -52,13 +52,16 @@ def _nbytes(values: Sequence) -> int:
     return total
 
 
-def estimate_seconds(func, args, kwargs, outs: Sequence) -> float:
-    """Roofline estimate of ``func(*args, **kwargs)`` that produced ``outs`` (unwrapped)."""
-    device = "cpu"
-    for v in outs:
-        if isinstance(v, torch.Tensor):
-            device = v.device.type
-            break
+def estimate_seconds(func, args, kwargs, outs: Sequence, device: Optional[str] = None) -> float:
+    """Roofline estimate of ``func(*args, **kwargs)`` that produced ``outs`` (unwrapped), on
+    the device of the first output, or on ``device`` (outputs on the meta device stand for an
+    op that has not run)."""
+    if device is None:
+        device = "cpu"
+        for v in outs:
+            if isinstance(v, torch.Tensor):
+                device = v.device.type
+                break
     flops_per_s, bytes_per_s, launch = _ROOFLINE.get(device, _ROOFLINE["cuda"])
     if facts_for(func).kind in _METADATA_ONLY:
         return launch

@@ -224,6 +224,10 @@ class Driver(Views, Gradients, HostCopies):
             return run_collective(self, facts, args, kwargs)
         elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
             return self._sum(facts, args)
+        elif facts.scatters and self.node is not None and not kwargs:
+            out = self._defer(facts, func, args)
+            if out is not None:
+                return out
         return self._run(facts, func, args, kwargs)
 
     def passthrough(self, func, args, kwargs):

@@ -9,6 +9,9 @@ ops read.
 - ``aten.add.Tensor`` inside a backward pass may be autograd summing gradients; where nothing
   else can see the accumulator it runs in place (Note [Accumulation in place] in
   accumulation.py, which holds the tests it relies on).
+- A gradient scattered into zeros (the backward of ``x[:, t]`` or an embedding lookup) is
+  recorded without being made, and summed into its running sum without being made (Note
+  [Scattered gradients] in scattered.py).
 - ``optimizer.step()`` flushes all lineage first (recorded ops that read the parameters could
   not be replayed afterwards) and its ops run untracked on the stepping thread, as do a
   library's own gradient and parameter management (``untracked``; FSDP2).
@@ -27,17 +30,20 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from dtr.eager import accumulation
+from dtr.eager import accumulation, scattered
 from dtr.eager.cost import estimate_seconds
+from dtr.eager.native import FIRST as _FIRST
 from dtr.eager.ops import facts_for
-from dtr.eager.replay import fill
-from dtr.eager.tensor import DTRTensor, make_wrapper
-from dtr.core import OpRecord, State
+from dtr.eager.replay import Call, fill
+from dtr.eager.tensor import DTRTensor, make_wrapper, wrapper_of_size
+from dtr.core import OpRecord, State, Storage
+from dtr.core.collector import untrack
 
 __all__ = ["Gradients"]
 
 _Tensor = torch.Tensor
 _EXTERNAL = State.EXTERNAL
+_EVICTED = State.EVICTED
 _RESIDENT = State.RESIDENT
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _ADD = torch.ops.aten.add.Tensor
@@ -153,6 +159,10 @@ class Gradients:
         if in_place:
             if s.parent is None:  # a running sum already permanent (Note [Accumulation in place])
                 return self._add_to_permanent(args)
+            if not s.uses and self._scattered(args[1]) is not None:
+                # Note [Scattered gradients]: the part is written into the storage itself.
+                rt.make_permanent([s.root], yielding=True)
+                return self._add_to_permanent(args)
             old = args[0]
             self._run(_ADD_FACTS, _ADD_, args, {})
             ref = old._dtr
@@ -173,7 +183,13 @@ class Gradients:
         that nothing replayable reads it: the write needs no new version (Note [Accumulation
         in place]). The kernel writes the storage's value; the engine records an op that makes
         nothing (its clock, the inputs' last access, the cost), and the program gets a new
-        wrapper over ``old``'s cell, as for an op that returns its input."""
+        wrapper over ``old``'s cell, as for an op that returns its input. A scattered ``new``
+        not yet made is added without making it (``_add_scattered``)."""
+        rec = self._scattered(args[1])
+        if rec is not None:
+            out = self._add_scattered(args[0], rec)
+            if out is not None:
+                return out
         rt = self.rt
         inputs: List[Any] = []
         slots: List[Any] = []
@@ -198,6 +214,73 @@ class Gradients:
         self.op_seconds += seconds
         rt.complete(OpRecord(_ADD_FACTS.name, inputs, None, seconds), (), ())
         return make_wrapper(out, rt, inputs[0])
+
+    # ------------------------------------------------------------------ scattered gradients
+
+    def _defer(self, facts, func, args) -> Optional[DTRTensor]:
+        """Record a scattered gradient without making it (Note [Scattered gradients] in
+        scattered.py): a wrapper over a storage born evicted, or None where the op must run."""
+        g = args[0]
+        rt = self.rt
+        if type(g) is not DTRTensor or g._dtr.cell.storage.runtime is not rt or torch.is_grad_enabled():
+            return None
+        size = scattered.deferred_size(func, args)
+        if size is None:
+            return None
+        inputs: List[Any] = []
+        slots: List[Any] = []
+        consts: List[torch.Tensor] = []
+        targs = list(args)
+        vals = list(args)
+        self._scan(enumerate(args), targs, vals, inputs, slots, consts, None)
+        if self.count_constants and consts:
+            self.count_constants(consts, facts.name)
+        stand_in = torch.empty(size, dtype=g.dtype, device="meta")
+        seconds = estimate_seconds(func, vals, {}, (stand_in,), g.device.type)
+        call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, tuple(slots), False)
+        call.fresh = _FIRST
+        s = rt.defer(call, stand_in.numel() * stand_in.element_size())
+        if consts:
+            call.consts = self._use_constants(consts)
+            untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
+        return wrapper_of_size(size, g.dtype, g.device, rt, s)
+
+    def _scattered(self, new) -> Optional[Call]:
+        """The deferred op whose output ``new`` wraps, while that output is evicted (it reads
+        the op's inputs, which its lineage keeps recomputable), else None."""
+        c = new._dtr.cell if type(new) is DTRTensor else None
+        if type(c) is not Storage or c.state is not _EVICTED or c.runtime is not self.rt:
+            return None
+        rec = c.parent
+        if type(rec) is not Call or rec.name not in scattered.SCATTERS or rec.versions:
+            return None
+        return rec
+
+    def _add_scattered(self, old: DTRTensor, rec: Call) -> Optional[DTRTensor]:
+        """``old += rec``'s output, where ``old``'s storage is a permanent running sum, without
+        making the output (``scattered.add_into``); None, changing nothing, where that cannot be
+        exact."""
+        rt = self.rt
+        total = old._dtr.cell
+        inputs = [total, *rec.inputs]
+        rt.acquire(inputs)
+        try:
+            vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
+            value = total.value
+            t0 = perf_counter()
+            done = scattered.add_into(value, rec.func, vals)
+            seconds = perf_counter() - t0
+            if self.estimate:  # costed as the whole sum it stands for
+                seconds = estimate_seconds(_ADD_, (value, value), {}, (value,))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        if not done:
+            rt.unlock(inputs)
+            return None
+        self.op_seconds += seconds
+        rt.complete(OpRecord(_ADD_FACTS.name, inputs, None, seconds), (), ())
+        return make_wrapper(value, rt, total)
 
     # ------------------------------------------------------------------ optimizer step
 

@@ -24,6 +24,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from dtr.eager.scattered import SCATTERS
+
 __all__ = ["Kind", "OpFacts", "facts_for", "FACTS", "program_returns", "written_argument"]
 
 aten = torch.ops.aten
@@ -78,6 +80,7 @@ class OpFacts:
         "one_view",
         "list_view",
         "sized",
+        "scatters",
     )
 
     def __init__(self, func) -> None:
@@ -112,6 +115,10 @@ class OpFacts:
         # meta device): an aten op returning a new tensor. Other namespaces' kernels may be
         # Python code with side effects (printing, profiler ranges), which a meta run would repeat.
         self.sized = False
+        # Its output is zeros with a gradient written into part of them: deferred in a backward
+        # pass (Note [Scattered gradients] in scattered.py), so never ``simple``, which the
+        # native path would run.
+        self.scatters = False
 
     def __repr__(self) -> str:
         return f"OpFacts({self.name}, {self.kind.name})"
@@ -279,7 +286,8 @@ def _compute(func) -> OpFacts:
         f.view_of = 0
         f.returns = tuple((VIEW, is_list, (0, None)) for _, is_list, _ in returns)
     elif f.returns == ((FRESH, False, None),) and not f.plain_outputs and not f.placeholder:
-        f.simple = True
+        f.scatters = f.name in SCATTERS
+        f.simple = not f.scatters
     elif (len(f.returns) > 1 and set(f.returns) == {(FRESH, False, None)}
           and not f.plain_outputs and not f.placeholder):
         f.several = len(f.returns)

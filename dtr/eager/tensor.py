@@ -15,7 +15,7 @@ import torch
 from dtr.core.rematerialize import rebuild_after_close
 from dtr.eager.escaped import run_escaped
 
-__all__ = ["DTRTensor", "make_wrapper"]
+__all__ = ["DTRTensor", "make_wrapper", "wrapper_of_size"]
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _strided = torch.strided
@@ -107,6 +107,13 @@ def make_wrapper(value: torch.Tensor, runtime, cell) -> DTRTensor:
         w = _make_wrapper_subclass(
             DTRTensor, size, value.stride(), value.storage_offset(), None, value.dtype, _strided, value.device
         )
+    w._dtr = runtime.track(w, cell)
+    return w
+
+
+def wrapper_of_size(size, dtype: torch.dtype, device: torch.device, runtime, cell) -> DTRTensor:
+    """A new contiguous wrapper over ``cell``, which holds no value yet (``Runtime.defer``)."""
+    w = _make_wrapper_subclass(DTRTensor, size, None, None, None, dtype, _strided, device)
     w._dtr = runtime.track(w, cell)
     return w
 

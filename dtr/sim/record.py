@@ -1,6 +1,6 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
-The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 2]): the
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 3]): the
 recorder logs each call the driver makes, with tensors named by cell ids, then runs it. The
 calls that are one method each (``trace.CALLS``) are logged by overrides made from that table;
 the others (an op, acquires, references) are written here. Calls
@@ -148,6 +148,24 @@ class RecordingRuntime(Runtime):
         event["out"] = [self._cid(c) for c in outs]
         self._emit(event)
         return outs
+
+    def defer(self, rec: OpRecord, nbytes: int) -> Storage:
+        if self._depth:
+            return super().defer(rec, nbytes)
+        event = {
+            "e": "op",
+            "name": rec.name,
+            "cost": rec.cost,
+            "replayable": rec.replayable,
+            "in": [self._cid(c) for c in rec.inputs],
+            "mut": [],
+            "new": [[nbytes, None]],
+            "deferred": True,
+        }
+        s = self._call(event, super().defer, rec, nbytes, emit=False)
+        event["out"] = [self._cid(s)]
+        self._emit(event)
+        return s
 
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:

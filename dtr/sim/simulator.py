@@ -38,7 +38,8 @@ class SimResult:
         peak_bytes: the most bytes resident at once (the engine's accounting).
         evictions: storages evicted to meet the budget.
         rematerializations: ops replayed to recompute evicted storages.
-        base_cost: recorded cost of the trace's ops alone (the run with no recomputation).
+        base_cost: recorded cost of the trace's ops alone (the run with no recomputation; an
+            op deferred in the recording counts once something has read its output).
         eager_evictions: storages evicted because the program had dropped them.
         error: why the simulation stopped, when it is not feasible.
         swaps_out, swaps_in, prefetches: host-tier traffic (``swap=True``): copies out,
@@ -168,10 +169,11 @@ def simulate(
             limit, make_heuristic(heuristic), SimExecutor(), max_recompute=max_recompute, host=host
         )
         try:
-            base += run_block(rt, block, room)
+            run_block(rt, block, room)
         except OutOfBudgetError as e:
             error = str(e)
         finally:
+            base += rt.work  # the ops' recorded costs, deferred ones once made
             counts.add(rt.counters)
             peak = max(peak, rt.peak)
             if rt.host is not None:
@@ -277,7 +279,10 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
     for event in events:
         kind = event["e"]
         failed = "error" in event
-        if kind == "op":
+        if kind == "op" and event.get("deferred"):
+            rec = OpRecord(event["name"], [cell(c) for c in event["in"]], None, event["cost"], event["replayable"])
+            cells[event["out"][0]] = rt.defer(rec, event["new"][0][0])
+        elif kind == "op":
             inputs = [cell(c) for c in event["in"]]
             if not event.get("acquired"):
                 rt.acquire(inputs)

@@ -4,9 +4,9 @@ A trace is a file of JSON objects, one per line (gzip-compressed when the name e
 ``.gz``). The first line is the header; then come blocks, one per ``dtr.budget`` block run
 with the engine, each a ``begin`` event, the events of the block and an ``end`` event.
 
-Note [Trace format, version 2]
+Note [Trace format, version 3]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Header: ``{"format": "dtr-trace", "version": 2, "heuristic": name, "cost": "auto"|"estimate",
+Header: ``{"format": "dtr-trace", "version": 3, "heuristic": name, "cost": "auto"|"estimate",
 "budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
 
 Events are the calls the driver made on its runtime, in order, so that replaying them through
@@ -27,6 +27,9 @@ simulator (simulator.py) both follow.
   ``out`` names the resulting cells. ``"acquired": true`` when the inputs were acquired by a
   separate ``acquire`` event just before (not again by the op). ``"reserve": nbytes`` when
   room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked).
+  ``"deferred": true`` when the op did not run: its one ``new`` storage is born evicted, to be
+  computed by a replay if anything reads it, and ``in`` were not acquired (``Runtime.defer``:
+  a gradient scattered into zeros, Note [Scattered gradients] in eager/scattered.py).
 - ``{"e": "acquire", "cells": [...]}`` / ``{"e": "unlock", "cells": [...]}``: the program read
   tensors outside an op (``dtr.materialize``, a plain read); ``unlock`` also follows an op
   whose kernel failed.
@@ -57,9 +60,10 @@ simulator (simulator.py) both follow.
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
 
-Version 1 is version 2 with two more ways to say what a plan holds, which ``load`` rewrites
-into version 2's: ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked
-resident between ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine
+Version 2 is version 3 without deferred ops, and loads as it is. Version 1 is version 2 with
+two more ways to say what a plan holds, which ``load`` rewrites into version 3's:
+``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
+ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine
 protects a plan's checkpoints rather than locking them: a lock can make a budget infeasible),
 and ``{"e": "protect", "on": bool}`` is ``protect_new``. A version 1 trace therefore replays as
 the current engine would run the program.
@@ -77,7 +81,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 __all__ = ["CALLS", "FORMAT", "VERSION", "CallEvent", "Trace", "TraceWriter", "load"]
 
 FORMAT = "dtr-trace"
-VERSION = 2
+VERSION = 3
 
 # How a runtime call's argument is written in an event: a cell by its id, a list of cells by
 # their ids, a list of storages by their root cells' ids, or a JSON value as it is.
@@ -165,8 +169,11 @@ class Trace:
 
     @property
     def compute_cost(self) -> float:
-        """Sum of the recorded ops' costs (seconds): the run without any recomputation."""
-        return sum(e["cost"] for b in self.blocks for e in b if e["e"] == "op" and "out" in e)
+        """Sum of the recorded ops' costs (seconds): the run without any recomputation (deferred
+        ops did not run)."""
+        return sum(
+            e["cost"] for b in self.blocks for e in b if e["e"] == "op" and "out" in e and not e.get("deferred")
+        )
 
 
 def load(source: Union[str, Path, Trace]) -> Trace:
@@ -187,7 +194,7 @@ def load(source: Union[str, Path, Trace]) -> Trace:
             raise ValueError(f"dtr: {path} is not a dtr trace (no '{FORMAT}' header line)")
         version = header.get("version")
         upgrade = _UPGRADES.get(version)
-        if version != VERSION and upgrade is None:
+        if version != VERSION and version not in _UPGRADES:
             raise ValueError(
                 f"dtr: {path} is a version {version} trace; this dtr reads versions 1 to {VERSION}"
             )
@@ -211,7 +218,7 @@ def load(source: Union[str, Path, Trace]) -> Trace:
 
 
 def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
-    """A version 1 event in version 2's words (Note [Trace format, version 2])."""
+    """A version 1 event in version 3's words (Note [Trace format, version 3])."""
     kind = event.get("e")
     if kind == "pin" or kind == "unpin":
         return dict(event, e="protect" if kind == "pin" else "unprotect")
@@ -220,4 +227,5 @@ def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
     return event
 
 
-_UPGRADES = {1: _from_version_1}  # version -> its events in the current version's words
+# version -> its events in the current version's words (None: they are already)
+_UPGRADES = {1: _from_version_1, 2: None}

@@ -1,0 +1,205 @@
+"""Scattered gradients (Note [Scattered gradients] in dtr/eager/scattered.py): the backward of
+``x[:, t]``, ``x[a:b]`` and an embedding lookup is deferred in a backward pass and summed into
+its running sum without being made, bit for bit as eager sums it, and made by a replay where
+anything else reads it."""
+
+import contextlib
+import gzip
+import json
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import dtr
+from dtr.eager import scattered
+from dtr.testing.memory import measured_peak
+from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
+from dtr.testing import zoo
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Values as integers, so that -0.0 and 0.0 (and NaN payloads) differ."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def with_signed_zeros(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``t`` with about a quarter of its elements 0.0 or -0.0: where eager's sum of zeros differs
+    from a sum that skips them."""
+    mask = torch.rand(t.shape, generator=gen) < 0.25
+    sign = torch.where(torch.rand(t.shape, generator=gen) < 0.5, -1.0, 1.0).to(t.dtype)
+    return torch.where(mask, torch.zeros_like(t) * sign, t)
+
+
+def check_add_into(func, args, total):
+    expected = total.clone().add_(func(*args))
+    got = total.clone()
+    assert scattered.add_into(got, func, args)
+    assert torch.equal(bits(got), bits(expected))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_select_and_slice_sums_are_eagers_bit_for_bit(shape, data, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    n = shape[dim]
+    total = with_signed_zeros(torch.randn(shape, generator=gen).to(dtype), gen)
+    index = data.draw(st.integers(-n, n - 1))
+    part_shape = list(shape)
+    del part_shape[dim]
+    grad = with_signed_zeros(torch.randn(part_shape, generator=gen).to(dtype), gen)
+    check_add_into(aten.select_backward.default, [grad, list(shape), dim, index], total)
+    # Slices as Python writes them: negative and out-of-range bounds, empty slices.
+    start = data.draw(st.integers(-n - 2, n + 2))
+    stop = data.draw(st.integers(-n - 2, n + 2))
+    span = range(n)[start:stop]
+    part_shape = list(shape)
+    part_shape[dim] = len(span)
+    grad = with_signed_zeros(torch.randn(part_shape, generator=gen).to(dtype), gen)
+    check_add_into(aten.slice_backward.default, [grad, list(shape), dim, start, stop, 1], total)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 30),
+    width=st.integers(1, 9),
+    lookups=st.lists(st.integers(1, 6), min_size=1, max_size=2),
+    padding=st.sampled_from(["none", "present", "absent"]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding_sums_are_eagers_bit_for_bit(rows, width, lookups, padding, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # Few distinct rows, so that most are read several times (their sums' order matters).
+    indices = torch.randint(0, min(rows, 4), lookups, generator=gen)
+    pad = {"none": -1, "present": int(indices.reshape(-1)[0]), "absent": rows - 1 if rows > 4 else -1}[padding]
+    grad = with_signed_zeros(torch.randn(*lookups, width, generator=gen).to(dtype), gen)
+    total = with_signed_zeros(torch.randn(rows, width, generator=gen).to(dtype), gen)
+    check_add_into(aten.embedding_dense_backward.default, [grad, indices, rows, pad, False], total)
+
+
+def test_what_is_not_deferred():
+    g = torch.randn(3, 4)
+    assert scattered.deferred_size(aten.select_backward.default, [g, [5, 3, 4], 0, 1]) == [5, 3, 4]
+    assert scattered.deferred_size(aten.slice_backward.default, [g, [6, 4], 0, 0, 6, 2]) is None  # step 2
+    assert scattered.deferred_size(aten.select_backward.default, [g.to(torch.int64), [5, 3, 4], 0, 1]) is None
+    idx = torch.tensor([1, 2, 2])
+    assert scattered.deferred_size(aten.embedding_dense_backward.default, [g, idx, 10, -1, False]) == [10, 4]
+    assert scattered.deferred_size(aten.embedding_dense_backward.default, [g, idx, 10, -1, True]) is None
+
+
+class SequenceLoop(nn.Module):
+    """Reads a long embedded sequence one step at a time (``x[:, t]``), as the cell loops do,
+    and each sentence of the batch's embedding apart (``emb(tokens[i])``), as the TreeLSTMs
+    do; the per-step work is small, so that the full-size gradients of the sequence and of the
+    embedding table are what a step's peak is made of."""
+
+    def __init__(self, vocab=512, d=256, steps=24):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.w = nn.Parameter(torch.randn(d) * 0.1)
+        self.steps = steps
+
+    def forward(self, tokens):
+        h = torch.zeros(tokens.shape[0], self.emb.embedding_dim)
+        x = self.emb(tokens)
+        for t in range(self.steps):
+            h = torch.tanh(x[:, t] * self.w + h)
+        for i in range(tokens.shape[0]):
+            h = h + self.emb(tokens[i : i + 1, :2]).sum(1)
+        return h.square().sum()
+
+
+def sequence_workload():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 512, (4, 24))
+    return SequenceLoop(), tokens
+
+
+def _step(model, tokens, engine=None):
+    for p in model.parameters():
+        p.grad = None
+    if engine is None:
+        model(tokens).backward()
+    else:
+        with engine:
+            model(tokens).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_step_makes_no_scattered_gradient_and_matches_eager():
+    model, tokens = sequence_workload()
+    eager = _step(model, tokens)
+    eager_peak = measured_peak(lambda: _step(model, tokens))
+    engine = dtr.budget(None)
+    with mock.patch.object(scattered, "add_into", wraps=scattered.add_into) as added:
+        got = _step(model, tokens, engine)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, eager))
+    # The first gradient of each running sum is made (it becomes the sum), none after it: 23
+    # of the sequence's 24 steps, 4 of the table's 5 lookups (the sequence's and 4 sentences').
+    assert added.call_count == 23 + 4
+    assert engine.stats().rematerializations == 0
+    dtr_peak = measured_peak(lambda: _step(model, tokens, dtr.budget(None)))
+    full = 4 * 24 * 256 * 4  # one gradient of the embedded sequence, or of the table: 96 KiB / 512 KiB
+    table = 512 * 256 * 4
+    assert dtr_peak <= eager_peak - min(full, table) * 0.9, (dtr_peak, eager_peak)
+
+
+def test_a_scattered_gradient_read_otherwise_is_made():
+    """The only gradient of a tensor read once (``z[2]``), and one a hook reads, are rebuilt
+    by a replay: eager's values, counted as the op's own work, not as rematerializations."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, requires_grad=True)
+
+    def run(engine=None):
+        x.grad = None
+        seen = []
+        with engine if engine is not None else contextlib.nullcontext():
+            y = x * 2
+            z = x.exp()
+            y.register_hook(lambda g: seen.append((g * 1).tolist()))
+            (y[1] * y[3:] + z[2]).sum().backward()
+        return x.grad.clone(), seen
+
+    engine = dtr.budget(None)
+    (g0, s0), (g1, s1) = run(), run(engine)
+    assert torch.equal(bits(g0), bits(g1)) and s0 == s1 and len(s0) == 1
+    assert engine.stats().rematerializations == 0
+
+
+@pytest.mark.parametrize("name", ["gru_cell", "treelstm_batch"])
+def test_under_budgets_the_gradients_stay_eagers(name):
+    w = zoo.build(name, "tiny")
+    eager = run_step(w, fresh_model(w))
+    tracked = run_step(w, fresh_model(w), None).stats
+    for fraction in (0.6, 0.45):
+        r = run_step(w, fresh_model(w), budget_at(tracked, fraction), cost="estimate")
+        assert_same(r, eager)
+        assert r.stats.evictions > 0
+
+
+def test_the_trace_says_what_was_deferred_and_the_simulation_repeats_the_run(tmp_path):
+    w = zoo.build("gru_cell", "tiny")
+    tracked = run_step(w, fresh_model(w), None).stats
+    budget = budget_at(tracked, 0.5)
+    trace = tmp_path / "t.jsonl.gz"
+    real = run_step(w, fresh_model(w), budget, cost="estimate", trace=trace).stats
+    with gzip.open(trace, "rt") as f:
+        events = [json.loads(line) for line in f]
+    deferred = [e for e in events if e.get("deferred")]
+    assert deferred and {e["name"] for e in deferred} <= scattered.SCATTERS
+    sim = dtr.simulate(trace, budget)
+    assert sim.feasible
+    assert (sim.evictions, sim.rematerializations, sim.peak_bytes) == (
+        real.evictions, real.rematerializations, real.peak_resident_bytes)
