@@ -8,17 +8,17 @@ Sections:
    them too), after an eager warm-up step so that first-call kernel set-up is not recorded as
    cost. The sweep then runs on the new traces.
 2. Simulated (always): each trace is replayed by ``dtr.simulate`` for every heuristic
-   (``--heuristics``; default: all of ``dtr.heuristic_names()``) at budget fractions of
-   eager's peak as the engine counts it (``eager_peak``: the trace's unlimited simulated peak
-   with its deferred ops made, as eager makes them; dtr's own unlimited peak is below it where
-   gradients are scattered, Note [Scattered gradients]): 1.0, 0.9, ... 0.1 with 0.67 and 0.45
-   (targets' budgets), going lower until a budget is infeasible or times out. Slowdown = simulated compute (recorded
+   (``--heuristics``; default: all of ``dtr.heuristic_names()``) at budget fractions of the
+   trace's unlimited simulated peak (dtr's own: below eager's where gradients are scattered,
+   Note [Scattered gradients], so that a fraction of it is a smaller budget than the same
+   fraction of eager's peak): 1.0, 0.9, ... 0.1 with 0.67 and 0.45 (targets' budgets), going
+   lower until a budget is infeasible or times out. Slowdown = simulated compute (recorded
    op costs plus the recomputations') / the recorded compute. A thrashing heuristic can
    take minutes near its lowest budget, so each simulation gets ``--sim-time-limit`` seconds
    and is recorded as "timeout" past that.
 3. ``--real``: real CPU steps of each model (``--real-heuristics``, default dtr_eq) at
-   ``--real-fractions`` of the unlimited run's ``peak_resident_bytes`` (the trace's simulated
-   peak, so below eager's where gradients are scattered): wall time / eager's (medians of ``--repeats``; eager and dtr
+   ``--real-fractions`` of the unlimited run's ``peak_resident_bytes`` (the same reference as
+   the trace's simulated peak): wall time / eager's (medians of ``--repeats``; eager and dtr
    steps take turns, so that load from other processes hits both alike; ``max_over_median``,
    the slowest run over the median, shows a run that tipped into thrashing, and
    ``max_over_median_less_gc`` the same with each run's full collections taken out, which
@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
 import dtr
-from dtr.sim import Trace, load
+from dtr.sim import load
 from dtr.testing import zoo
 from dtr.testing.memory import profiled_peak
 from dtr.testing.step import fresh_model, timed_step
@@ -134,26 +134,15 @@ def record(models: List[str], traces: Path) -> None:
 # ------------------------------------------------------------------------------ simulated
 
 
-def eager_peak(trace: Trace) -> int:
-    """The unlimited peak of ``trace`` with its deferred ops made where they were recorded, as
-    eager makes them (Note [Scattered gradients] in dtr/eager/scattered.py): what eager holds,
-    counted as the engine counts. dtr's own unlimited peak for a trace without deferred ops."""
-    made = Trace(trace.header, [[{k: v for k, v in e.items() if k != "deferred"} for e in b] for b in trace.blocks])
-    return dtr.simulate(made, None).peak_bytes
-
-
 def sweep_trace(path: Path, heuristics: List[str], fractions=FRACTIONS, limit: float = 30.0) -> Iterator[dict]:
-    """Rows of the simulated sweep of one trace: per heuristic, ``fractions`` (in order) of
-    eager's peak (``eager_peak``, as the DTR paper's budgets are) until one is infeasible or
-    runs past ``limit`` seconds."""
+    """Rows of the simulated sweep of one trace: per heuristic, ``fractions`` (in order) of the
+    trace's unlimited peak until one is infeasible or runs past ``limit`` seconds."""
     trace = load(path)
-    peak = eager_peak(trace)
-    own = dtr.simulate(trace, None).peak_bytes
+    peak = dtr.simulate(trace, None).peak_bytes
     for heuristic in heuristics:
         for f in fractions:
             row = {"section": "sim", "model": path.name.split(".")[0], "heuristic": heuristic, "fraction": f,
-                   "budget_bytes": int(peak * f), "eager_peak_bytes": peak, "unlimited_peak_bytes": own,
-                   "trace": path.name}
+                   "budget_bytes": int(peak * f), "unlimited_peak_bytes": peak, "trace": path.name}
             row.update(_simulate(trace, row["budget_bytes"], heuristic, limit))
             yield row
             if row["status"] != "ok":
@@ -177,7 +166,7 @@ def _simulate(trace, budget: int, heuristic: str, limit: float) -> dict:
 
 
 def run_sim(args, base: dict, out) -> List[dict]:
-    print(f"\n## simulated: slowdown (compute / recorded compute) at budget fractions of eager's peak; "
+    print(f"\n## simulated: slowdown (compute / recorded compute) at budget fractions of the unlimited peak; "
           f"X infeasible, T timeout (> {args.sim_time_limit:g} s)")
     print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
