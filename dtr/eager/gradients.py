@@ -231,12 +231,12 @@ class Gradients:
         slots: List[Any] = []
         consts: List[torch.Tensor] = []
         targs = list(args)
-        vals = list(args)
-        self._scan(enumerate(args), targs, vals, inputs, slots, consts, None)
+        self._scan(enumerate(args), targs, list(args), inputs, slots, consts, None)
         if self.count_constants and consts:
             self.count_constants(consts, facts.name)
         stand_in = torch.empty(size, dtype=g.dtype, device="meta")
-        seconds = estimate_seconds(func, vals, {}, (stand_in,), g.device.type)
+        # Estimated on the arguments' shapes (the wrappers), whether or not the gradient is resident.
+        seconds = estimate_seconds(func, args, {}, (stand_in,), g.device.type)
         call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, tuple(slots), False)
         call.fresh = _FIRST
         s = rt.defer(call, stand_in.numel() * stand_in.element_size())
@@ -249,8 +249,8 @@ class Gradients:
         """The deferred op whose output ``new`` wraps, while that output is evicted (it reads
         the op's inputs, which its lineage keeps recomputable), else None."""
         c = new._dtr.cell if type(new) is DTRTensor else None
-        if type(c) is not Storage or c.state is not _EVICTED or c.runtime is not self.rt:
-            return None
+        if type(c) is not Storage or c.state is not _EVICTED or c.runtime is not self.rt or c.forward is not None:
+            return None  # a storage written in place since (Note [Versions]) holds another value
         rec = c.parent
         if type(rec) is not Call or rec.name not in scattered.SCATTERS or rec.versions:
             return None
@@ -266,6 +266,7 @@ class Gradients:
         rt.acquire(inputs)
         try:
             vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
+            rt.reserve(scattered.temporary_bytes(rec.func, vals), _ADD_FACTS.name)
             value = total.value
             t0 = perf_counter()
             done = scattered.add_into(value, rec.func, vals)

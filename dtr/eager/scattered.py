@@ -16,10 +16,12 @@ them (``Runtime.defer``), and their output is born evicted, with the op as its l
 into a running sum that nothing else can see (``Gradients._in_place``) whose addend is such an
 output adds the part alone into the running sum (``add_into``), reading the op's arguments;
 anything else that reads the output (the only gradient of a tensor read once, a hook, a
-``.grad``) rebuilds it by replaying the op, as for any evicted tensor. A running sum not yet
+``.grad``) rebuilds it by replaying the op, as for any evicted tensor; so does a sum of one
+written in place since (its storage has a newer version). A running sum not yet
 permanent is made so first (lineage.make_permanent): the write it takes has no version.
 
-``add_into`` is bit for bit the sum eager makes, ``total + zeros-with-the-part``:
+``add_into`` is bit for bit the sum eager makes, ``total + zeros-with-the-part`` (NaN
+payloads aside: which payload a bfloat16 NaN gets depends on the kernel's loop that writes it):
 - Outside the part, eager adds 0.0, which turns a -0.0 into 0.0 and changes nothing else: the
   complement gets ``add_(0.0)``. Inside it, eager adds the part's values: so does ``add_into``.
 - For ``select_backward`` and ``slice_backward`` (step 1) the part is the gradient itself, and
@@ -36,6 +38,9 @@ permanent is made so first (lineage.make_permanent): the write it takes has no v
   (its scaling is per row of the whole table), nor are CUDA embedding gradients (the device's
   kernel sums in an order not checked to match on distinct indices).
 
+An embedding's sum allocates the distinct rows' sums (at most the table's size, where a batch
+reads every row); ``Runtime.reserve`` makes room for them first (``temporary_bytes``).
+
 Deferred ops are costed by the roofline estimate (cost.py) under either cost mode: they do not
 run, so there is no time to measure; a replay measures its own.
 """
@@ -46,7 +51,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["SCATTERS", "add_into", "deferred_size"]
+__all__ = ["SCATTERS", "add_into", "deferred_size", "temporary_bytes"]
 
 aten = torch.ops.aten
 _SELECT_BACKWARD = aten.select_backward.default
@@ -74,6 +79,16 @@ def deferred_size(func, args) -> Optional[List[int]]:
     if not all(isinstance(n, int) for n in sizes):
         return None
     return list(sizes)
+
+
+def temporary_bytes(func, args) -> int:
+    """An upper bound on what ``add_into(total, func, args)`` allocates while it runs: for an
+    embedding, the distinct rows' sums with their tests and the index maps; nothing else."""
+    if func is not _EMBEDDING_BACKWARD:
+        return 0
+    grad, indices, num_weights = args[:3]
+    n = indices.numel()
+    return min(n, num_weights) * grad.shape[-1] * (grad.element_size() + 2) + 2 * n * 8
 
 
 def add_into(total: torch.Tensor, func, args) -> bool:

@@ -169,8 +169,9 @@ class Trace:
 
     @property
     def compute_cost(self) -> float:
-        """Sum of the recorded ops' costs (seconds): the run without any recomputation (deferred
-        ops did not run)."""
+        """Sum of the recorded ops' costs (seconds): the run without any recomputation. Deferred
+        ops are left out, since they ran only where something read their output, which a
+        simulation finds out (``SimResult.base_cost`` counts those)."""
         return sum(
             e["cost"] for b in self.blocks for e in b if e["e"] == "op" and "out" in e and not e.get("deferred")
         )
