@@ -76,7 +76,11 @@ def test_simulation_repeats_the_evictions_of_the_real_run(name, tmp_path):
     )
     # A replay estimates its cost again, from the same shapes (in-place ones add a clone).
     assert sim.remat_cost == pytest.approx(s.remat_seconds, rel=1e-3)
-    assert sim.base_cost == pytest.approx(load(tmp_path / "t.jsonl").compute_cost)
+    # Deferred ops (Note [Scattered gradients]) count once a replay has made them.
+    trace = load(tmp_path / "t.jsonl")
+    deferred = sum(e["cost"] for b in trace.blocks for e in b if e.get("deferred"))
+    slack = 1e-9 * trace.compute_cost
+    assert trace.compute_cost - slack <= sim.base_cost <= trace.compute_cost + deferred + slack
     assert sim.total_cost == pytest.approx(sim.base_cost + sim.remat_cost)
 
 

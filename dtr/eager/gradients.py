@@ -266,7 +266,6 @@ class Gradients:
         rt.acquire(inputs)
         try:
             vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
-            rt.reserve(scattered.temporary_bytes(rec.func, vals), _ADD_FACTS.name)
             value = total.value
             t0 = perf_counter()
             done = scattered.add_into(value, rec.func, vals)

@@ -17,29 +17,33 @@ into a running sum that nothing else can see (``Gradients._in_place``) whose add
 output adds the part alone into the running sum (``add_into``), reading the op's arguments;
 anything else that reads the output (the only gradient of a tensor read once, a hook, a
 ``.grad``) rebuilds it by replaying the op, as for any evicted tensor; so does a sum of one
-written in place since (its storage has a newer version). A running sum not yet
-permanent is made so first (lineage.make_permanent): the write it takes has no version.
+written in place since (its storage has a newer version). A running sum not yet permanent is
+made so first (lineage.make_permanent): the write it takes has no version.
 
-``add_into`` is bit for bit the sum eager makes, ``total + zeros-with-the-part`` (NaN
-payloads aside: which payload a bfloat16 NaN gets depends on the kernel's loop that writes it):
+``add_into`` is bit for bit the sum eager makes, ``total + zeros-with-the-part`` (NaN payloads
+aside: which payload a bfloat16 NaN gets depends on the kernel's loop that writes it):
 - Outside the part, eager adds 0.0, which turns a -0.0 into 0.0 and changes nothing else: the
   complement gets ``add_(0.0)``. Inside it, eager adds the part's values: so does ``add_into``.
 - For ``select_backward`` and ``slice_backward`` (step 1) the part is the gradient itself, and
   the complement is the two blocks on either side of it along the dimension.
-- For ``embedding_dense_backward`` the part is one row per distinct index, each the sum of
-  that index's gradient rows. The same kernel computes them over the distinct indices alone
+- For ``embedding_dense_backward`` the part is one row per distinct index, each the sum of that
+  index's gradient rows. The same kernel computes them over the distinct indices alone
   (``torch.unique``, sorted, maps each index to its row; the padding index to its row, or to
   none): on the CPU it adds each row's contributions in the order of the indices from a zero
-  row, as over the whole table, so every row's bits are the same; a row of zeros is then
-  never -0.0, which lets ``add_(0.0)`` run over the whole table first. Rows are then added
-  with ``index_add_`` over distinct indices, one addition per element. A part holding a -0.0
-  (another device's kernel, which may sum a row without a zero start) is not added this way:
-  ``add_into`` declines and the output is rebuilt. ``scale_grad_by_freq`` is not deferred
+  row, as over the whole table, so every row's bits are the same; a row summed from a zero
+  start is never -0.0, which lets ``add_(0.0)`` run over the whole table first. Rows are then
+  added with ``index_add_`` over distinct indices, one addition per element. A part holding a
+  -0.0 (another device's kernel, which may sum a row without a zero start) is not added this
+  way: ``add_into`` declines and the output is rebuilt. ``scale_grad_by_freq`` is not deferred
   (its scaling is per row of the whole table), nor are CUDA embedding gradients (the device's
   kernel sums in an order not checked to match on distinct indices).
 
-An embedding's sum allocates the distinct rows' sums (at most the table's size, where a batch
-reads every row); ``Runtime.reserve`` makes room for them first (``temporary_bytes``).
+An embedding's sum allocates the distinct rows' sums and index maps while it runs: its working
+memory, as a kernel's scratch is, not charged (at most about the table's size, the output
+eager's op makes, where a batch reads every row; a hundredth of it for a tree of the bench
+TreeLSTM). A block recorded without a budget makes no room before ops (``RoomBeforeOps`` in
+sim/simulator.py emulates the driver's), so making room for it would need a trace event of
+its own.
 
 Deferred ops are costed by the roofline estimate (cost.py) under either cost mode: they do not
 run, so there is no time to measure; a replay measures its own.
@@ -51,7 +55,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["SCATTERS", "add_into", "deferred_size", "temporary_bytes"]
+__all__ = ["SCATTERS", "add_into", "deferred_size"]
 
 aten = torch.ops.aten
 _SELECT_BACKWARD = aten.select_backward.default
@@ -79,16 +83,6 @@ def deferred_size(func, args) -> Optional[List[int]]:
     if not all(isinstance(n, int) for n in sizes):
         return None
     return list(sizes)
-
-
-def temporary_bytes(func, args) -> int:
-    """An upper bound on what ``add_into(total, func, args)`` allocates while it runs: for an
-    embedding, the distinct rows' sums with their tests and the index maps; nothing else."""
-    if func is not _EMBEDDING_BACKWARD:
-        return 0
-    grad, indices, num_weights = args[:3]
-    n = indices.numel()
-    return min(n, num_weights) * grad.shape[-1] * (grad.element_size() + 2) + 2 * n * 8
 
 
 def add_into(total: torch.Tensor, func, args) -> bool:

@@ -130,15 +130,11 @@ class RecordingRuntime(Runtime):
         if self._pending is not None and self._pending[0] is rec.inputs:
             self._pending = None  # the op event implies it
             acquired = 0
-        event = {
-            "e": "op",
-            "name": rec.name,
-            "cost": rec.cost,
-            "replayable": rec.replayable,
-            "in": [self._cid(c) for c in rec.inputs],
-            "mut": [self._cid(s.root) for s, _ in mutated],
-            "new": [[n, None if base is None else self._cid(base)] for n, _, base in fresh],
-        }
+        event = self._op_event(
+            rec,
+            [self._cid(s.root) for s, _ in mutated],
+            [[n, None if base is None else self._cid(base)] for n, _, base in fresh],
+        )
         if acquired:
             event["acquired"] = True  # its acquire was logged on its own: do not repeat it
         if self._reserved:
@@ -152,16 +148,8 @@ class RecordingRuntime(Runtime):
     def defer(self, rec: OpRecord, nbytes: int) -> Storage:
         if self._depth:
             return super().defer(rec, nbytes)
-        event = {
-            "e": "op",
-            "name": rec.name,
-            "cost": rec.cost,
-            "replayable": rec.replayable,
-            "in": [self._cid(c) for c in rec.inputs],
-            "mut": [],
-            "new": [[nbytes, None]],
-            "deferred": True,
-        }
+        event = self._op_event(rec, [], [[nbytes, None]])
+        event["deferred"] = True
         s = self._call(event, super().defer, rec, nbytes, emit=False)
         event["out"] = [self._cid(s)]
         self._emit(event)
@@ -206,6 +194,11 @@ class RecordingRuntime(Runtime):
         if emit and event is not None:
             self._emit(event)
         return out
+
+    def _op_event(self, rec: OpRecord, mut: List[int], new: List[list]) -> Dict[str, Any]:
+        """The ``op`` event of ``rec`` (its outputs' ids are added once they exist)."""
+        return {"e": "op", "name": rec.name, "cost": rec.cost, "replayable": rec.replayable,
+                "in": [self._cid(c) for c in rec.inputs], "mut": mut, "new": new}
 
     def _flush_pending(self) -> None:
         if self._pending is not None:
