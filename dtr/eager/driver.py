@@ -545,10 +545,11 @@ class Driver(Views, Gradients, HostCopies):
         Until one of its blocks has ended, an engine has no largest output to compare with, so
         it sizes every op (``size_every_op``), at the price of a size lookup per op in that
         block: a first step is where a cap on device memory is hit (an LM head's logits, larger
-        than any output before them, passed a GPU's cap). An engine with a plan does not (``plan=``): its first
-        block profiles the segment's stages by the peaks of the engine's count, and room made
-        before every op hides a stage's growth from them (evicting older storages first), so
-        the seeded step replays more than its plan (tests/test_seeding.py's bounds). Later an
+        than any output before them, passed a GPU's cap). An engine with a plan does not
+        (``plan=``): its first block profiles the segment's stages by the peaks of the engine's
+        count, and room made before every op hides a stage's growth from them (evicting older
+        storages first), so the seeded step replays more than its plan (tests/test_seeding.py's
+        bounds). Later an
         output larger than any the engine has made (a longer sequence) is not anticipated: the
         peak can pass the budget by it once. The simulator repeats this rule for traces recorded
         without a budget (``dtr.sim.simulator.RoomBeforeOps``; tests/test_sim.py checks that

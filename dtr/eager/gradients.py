@@ -252,7 +252,7 @@ class Gradients:
         if type(c) is not Storage or c.state is not _EVICTED or c.runtime is not self.rt or c.forward is not None:
             return None  # a storage written in place since (Note [Versions]) holds another value
         rec = c.parent
-        if type(rec) is not Call or rec.name not in scattered.SCATTERS or rec.versions:
+        if type(rec) is not Call or rec.name not in scattered.SCATTERS:
             return None
         return rec
 

@@ -173,7 +173,7 @@ def simulate(
         except OutOfBudgetError as e:
             error = str(e)
         finally:
-            base += rt.work  # the ops' recorded costs, deferred ones once made
+            base += rt.work
             counts.add(rt.counters)
             peak = max(peak, rt.peak)
             if rt.host is not None:
@@ -259,15 +259,14 @@ class RoomBeforeOps:
             self._ops = False
 
 
-def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBeforeOps] = None) -> float:
-    """Feed one block's events to ``rt`` (a fresh runtime with a ``SimExecutor``); returns
-    the recorded cost of its ops. ``room``: the simulated engine's ``RoomBeforeOps``, which
-    makes room before ops where the block was recorded without a budget, and learns from it
-    (None: none is made but what the trace records). ``dtr.timeline`` watches a block this
-    way."""
+def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBeforeOps] = None) -> None:
+    """Feed one block's events to ``rt`` (a fresh runtime with a ``SimExecutor``, whose
+    ``work`` is then the recorded cost of the ops, deferred ones once made). ``room``: the
+    simulated engine's ``RoomBeforeOps``, which makes room before ops where the block was
+    recorded without a budget, and learns from it (None: none is made but what the trace
+    records). ``dtr.timeline`` watches a block this way."""
     cells: Dict[int, Any] = {}
     wrappers: Dict[int, _Wrapper] = {}
-    cost = 0.0
     emulate = room is not None and room.applies(events)
 
     def cell(cid: int):
@@ -280,7 +279,8 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
         kind = event["e"]
         failed = "error" in event
         if kind == "op" and event.get("deferred"):
-            rec = OpRecord(event["name"], [cell(c) for c in event["in"]], None, event["cost"], event["replayable"])
+            inputs = [cell(c) for c in event["in"]]
+            rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
             cells[event["out"][0]] = rt.defer(rec, event["new"][0][0])
         elif kind == "op":
             inputs = [cell(c) for c in event["in"]]
@@ -294,7 +294,6 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
             mutated = [(cell(c).storage, _DATA) for c in event["mut"]]
             fresh = [(n, _DATA, None if b is None else cell(b)) for n, b in event["new"]]
             outs = rt.complete(rec, mutated, fresh)
-            cost += event["cost"]
             if room is not None:
                 room.saw(event)
             if failed:  # the program never got the outputs: nothing refers to them
@@ -330,7 +329,6 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
                 room.saw(event)
         elif kind != "begin":
             raise ValueError(f"dtr: unknown trace event {kind!r}")
-    return cost
 
 
 def _decoded(value: Any, coding: str, cell) -> Any:

@@ -63,9 +63,9 @@ An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"`
 Version 2 is version 3 without deferred ops, and loads as it is. Version 1 is version 2 with
 two more ways to say what a plan holds, which ``load`` rewrites into version 3's:
 ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
-ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine
-protects a plan's checkpoints rather than locking them: a lock can make a budget infeasible),
-and ``{"e": "protect", "on": bool}`` is ``protect_new``. A version 1 trace therefore replays as
+ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine protects a plan's
+checkpoints rather than locking them: a lock can make a budget infeasible), and
+``{"e": "protect", "on": bool}`` is ``protect_new``. A version 1 trace therefore replays as
 the current engine would run the program.
 """
 
