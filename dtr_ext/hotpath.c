@@ -69,7 +69,7 @@ static inline PyObject *Py_NewRef(PyObject *o) {
 }
 #endif
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 
 /* ------------------------------------------------------------------------------------------ */
 /* What ``bind`` supplies. */
@@ -82,7 +82,7 @@ static PyObject *O_strided, *O_RESIDENT, *O_RELEASED, *O_SWAPPED, *O_fit, *O_mws
     *O_output_size, *S_nan,
     *O_is_grad_enabled, *O_perf_counter, *O_no_kwargs, *O_first, *O_estimate_seconds,
     *O_correct_size,
-    *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_EVICTED,
+    *O_FACTS, *O_facts_for, *O_FALLBACK, *O_current_node, *O_ADD, *O_MM, *O_EVICTED,
     *O_VIEW, *O_DETACH, *O_EXTERNAL, *O_ADD_, *O_ADD_FACTS, *O_graph_task_id, *O_accumulation;
 static PyObject *EMPTY; /* () */
 static PyObject *ONE;   /* 1 */
@@ -2989,6 +2989,7 @@ static PyObject *run_simple(PyObject *module, PyObject *const *argv, Py_ssize_t 
 static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject *func, PyObject *args,
                        PyObject *kwargs) {
     PyObject *result = NULL;
+    int backward = 0;
     if (add_attr(driver, A_ops, 1, NULL) < 0) goto done;
     {
         PyObject *dead = RT_GET(rt, _dead);
@@ -3022,6 +3023,7 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
                 goto done;
             }
         }
+        backward = node != Py_None;
         Py_DECREF(node);
     }
     int no_kwargs = kwargs == NULL || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
@@ -3065,6 +3067,11 @@ static PyObject *route(PyObject *driver, PyObject *rt, PyObject *facts, PyObject
                 result = sum_op(driver, rt, facts, args);
                 goto done;
             }
+        }
+        if (func == O_MM && backward) { /* an outer product may be deferred: Gradients._defer */
+            PyObject *a[5] = {driver, facts, func, args, kwargs ? kwargs : O_no_kwargs};
+            result = PyObject_VectorcallMethod(A__route, a, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            goto done;
         }
         result = simple_op(driver, facts, func, args, no_kwargs ? NULL : kwargs);
         if (result != O_FALLBACK) goto done;
@@ -3321,6 +3328,7 @@ static PyObject *bind(PyObject *module, PyObject *config) {
     GET(facts_for);
     GET(current_node);
     GET(ADD);
+    GET(MM);
     GET(ADD_);
     GET(ADD_FACTS);
     GET(EXTERNAL);

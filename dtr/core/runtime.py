@@ -450,6 +450,22 @@ class Runtime:
             self.on_op(self)
         return s
 
+    def defer_view(self, rec: OpRecord, base: Cell) -> Cell:
+        """Register a view op that has not run, of ``base``, a cell of an output ``defer`` made
+        that has not been made since: its one output is a view cell without a value, made by
+        replaying ``rec`` on the base if anything reads it (Note [Outer products] in
+        eager/scattered.py). ``base`` is not acquired, so it stays unmade."""
+        now = self.clock = self.clock + 1
+        c = new_view(base.storage, rec, 0, None)
+        rec.outputs = [_weak(c)]  # Note [Views held weakly]
+        wire(self, rec, [], now)
+        if self.host is not None:
+            self.host.log.costs.append(0.0)
+            self.host.after_op()
+        if self.on_op is not None:
+            self.on_op(self)
+        return c
+
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1
         s = Storage(self, self._sid, nbytes, rec.cost, now, rec, index, value)

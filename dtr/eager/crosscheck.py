@@ -126,7 +126,8 @@ class CrosscheckedDriver(Driver):
     def _run_view(self, facts, func, base: DTRTensor, args):
         executed = self._executed
         result = super()._run_view(facts, func, base, args)
-        if self._executed == executed:  # not handed to the general path (an evicted base)
+        # Not handed to the general path (an evicted base), nor deferred (an unmade base).
+        if self._executed == executed and not (type(result) is DTRTensor and result._dtr.cell.value is None):
             path = "list-view op" if facts.list_view else "one-view op"
             self._compare(path, facts, func, args, {}, result, facts.view_of)
         return result

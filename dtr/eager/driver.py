@@ -79,6 +79,7 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _NO_INPUTS = -1  # ``_scan``'s ``only``: no argument is an input
 _strided = torch.strided
 _ADD = torch.ops.aten.add.Tensor
+_MM = torch.ops.aten.mm.default  # an outer product in a backward pass may be deferred (scattered.py)
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
@@ -224,7 +225,7 @@ class Driver(Views, Gradients, HostCopies):
             return run_collective(self, facts, args, kwargs)
         elif func is _ADD and not kwargs and len(args) == 2 and self._summing(args):
             return self._sum(facts, args)
-        elif facts.scatters and self.node is not None and not kwargs:
+        elif (facts.scatters or func is _MM) and self.node is not None and not kwargs:
             out = self._defer(facts, func, args)
             if out is not None:
                 return out

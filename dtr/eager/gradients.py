@@ -9,9 +9,10 @@ ops read.
 - ``aten.add.Tensor`` inside a backward pass may be autograd summing gradients; where nothing
   else can see the accumulator it runs in place (Note [Accumulation in place] in
   accumulation.py, which holds the tests it relies on).
-- A gradient scattered into zeros (the backward of ``x[:, t]`` or an embedding lookup) is
-  recorded without being made, and summed into its running sum without being made (Note
-  [Scattered gradients] in scattered.py).
+- A gradient scattered into zeros (the backward of ``x[:, t]`` or an embedding lookup), or an
+  outer product (a weight's gradient from one row), is recorded without being made, and summed
+  into its running sum without being made (Notes [Scattered gradients] and [Outer products] in
+  scattered.py).
 - ``optimizer.step()`` flushes all lineage first (recorded ops that read the parameters could
   not be replayed afterwards) and its ops run untracked on the stepping thread, as do a
   library's own gradient and parameter management (``untracked``; FSDP2).
@@ -24,9 +25,10 @@ ops read.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from time import perf_counter
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -35,7 +37,7 @@ from dtr.eager.cost import estimate_seconds
 from dtr.eager.native import FIRST as _FIRST
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call, fill
-from dtr.eager.tensor import DTRTensor, make_wrapper, wrapper_of_size
+from dtr.eager.tensor import DTRTensor, make_wrapper, unmade_wrapper
 from dtr.core import OpRecord, State, Storage
 from dtr.core.collector import untrack
 
@@ -43,12 +45,13 @@ __all__ = ["Gradients"]
 
 _Tensor = torch.Tensor
 _EXTERNAL = State.EXTERNAL
-_EVICTED = State.EVICTED
 _RESIDENT = State.RESIDENT
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
 _ADD_FACTS = facts_for(_ADD_)  # every in-place sum runs it
+_CLONE = torch.ops.aten.clone.default
+_CLONE_FACTS = facts_for(_CLONE)
 _graph_task_id = torch._C._current_graph_task_id
 
 
@@ -63,6 +66,8 @@ class Gradients:
         # what was made before it is no temporary of its formula (``_in_place``).
         self.node = None
         self.node_from = 0
+        # Outer products recorded without being made -> their (rows, columns) (``_scattered``).
+        self.products: "weakref.WeakKeyDictionary[Storage, Tuple[int, int]]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ parameters' .grad
 
@@ -170,12 +175,57 @@ class Gradients:
             out = make_wrapper(old, rt, cell)
         else:
             old = args[0]
+            new = args[1]
+            # ``new`` first: it may be a plain tensor of another layout, without strides.
+            if self._scattered(new) is not None and old.stride() == new.stride() and accumulation.dense(old):
+                return self._sum_into_copy(old, new)
             out = self._run(facts, _ADD, args, {})
             if type(out) is not DTRTensor:
                 return out
             cell = out._dtr.cell
         if (chained or accumulation.into_leaf(old, self.node)) and cell.storage.state is _RESIDENT:
             rt.make_permanent([cell], yielding=True)
+        return out
+
+    def _sum_into_copy(self, old: DTRTensor, new: DTRTensor) -> DTRTensor:
+        """``old + new`` out of place where ``new`` is deferred and laid out as ``old``, densely:
+        a copy of ``old``, made permanent, with ``new`` added into it without being made. The
+        copy keeps ``old``'s layout, which is the sum's where both operands share it. Where
+        ``old`` is an outer product not yet made either (a weight's first two: Note [Outer
+        products] in scattered.py), the copy is made by running its op again, into a new
+        storage: the sum then holds one product's bytes where eager's holds three."""
+        first = self._scattered(old)
+        if first is not None and first[0].func is scattered.MM and not first[1]:
+            out = self._remade(first[0], old._dtr.cell.storage.nbytes)
+        else:
+            out = self._run(_CLONE_FACTS, _CLONE, (old,), {})
+            self.rt.make_permanent([out._dtr.cell], yielding=True)
+        return self._add_to_permanent((out, new))
+
+    def _remade(self, rec: Call, nbytes: int) -> DTRTensor:
+        """A new permanent storage of ``nbytes`` holding what the deferred ``rec`` would make
+        (the same op on the same inputs: the same bits), its own lineage left unmade."""
+        rt = self.rt
+        inputs = list(rec.inputs)
+        rt.acquire(inputs)
+        try:
+            if rt.budget is not None:  # Note [Room before an op] in driver.py
+                rt.reserve(nbytes, rec.name)
+            vals, _ = fill(rec.args, None, rec.slots, lambda k: inputs[k].value)
+            t0 = perf_counter()
+            value = rec.func(*vals)
+            seconds = perf_counter() - t0
+            if self.estimate:
+                seconds = estimate_seconds(rec.func, vals, {}, (value,))
+        except BaseException:
+            rt.unlock(inputs)
+            raise
+        self.op_seconds += seconds
+        # Never replayed: made permanent at once, so the record keeps none of its inputs.
+        made = OpRecord(rec.name, inputs, None, seconds, False)
+        (cell,) = rt.complete(made, (), ((value.numel() * value.element_size(), value, None),))
+        out = make_wrapper(value, rt, cell)  # first: a storage nothing refers to is released
+        rt.make_permanent([cell], yielding=True)
         return out
 
     def _add_to_permanent(self, args) -> DTRTensor:
@@ -185,9 +235,9 @@ class Gradients:
         nothing (its clock, the inputs' last access, the cost), and the program gets a new
         wrapper over ``old``'s cell, as for an op that returns its input. A scattered ``new``
         not yet made is added without making it (``_add_scattered``)."""
-        rec = self._scattered(args[1])
-        if rec is not None:
-            out = self._add_scattered(args[0], rec)
+        deferred = self._scattered(args[1])
+        if deferred is not None:
+            out = self._add_scattered(args[0], *deferred)
             if out is not None:
                 return out
         rt = self.rt
@@ -218,8 +268,9 @@ class Gradients:
     # ------------------------------------------------------------------ scattered gradients
 
     def _defer(self, facts, func, args) -> Optional[DTRTensor]:
-        """Record a scattered gradient without making it (Note [Scattered gradients] in
-        scattered.py): a wrapper over a storage born evicted, or None where the op must run."""
+        """Record a scattered gradient or an outer product without making it (Notes [Scattered
+        gradients] and [Outer products] in scattered.py): a wrapper over a storage born evicted,
+        or None where the op must run."""
         g = args[0]
         rt = self.rt
         if type(g) is not DTRTensor or g._dtr.cell.storage.runtime is not rt or torch.is_grad_enabled():
@@ -240,26 +291,43 @@ class Gradients:
         call = Call(facts.name, inputs, seconds, True, func, tuple(targs), None, tuple(slots), False)
         call.fresh = _FIRST
         s = rt.defer(call, stand_in.numel() * stand_in.element_size())
+        if func is scattered.MM:
+            self.products[s] = (size[0], size[1])
         if consts:
             call.consts = self._use_constants(consts)
             untrack(call.args, call.consts)  # they hold tensors: Note [Untracked records]
-        return wrapper_of_size(size, g.dtype, g.device, rt, s)
+        return unmade_wrapper(stand_in, g.device, rt, s)
 
-    def _scattered(self, new) -> Optional[Call]:
-        """The deferred op whose output ``new`` wraps, while that output is evicted (it reads
-        the op's inputs, which its lineage keeps recomputable), else None."""
+    def _scattered(self, new) -> Optional[Tuple[Call, bool]]:
+        """The deferred op whose output ``new`` is, while that output has never been made (it
+        reads the op's inputs, which its lineage keeps recomputable), and whether ``new`` is its
+        transpose (an outer product's, read through views); else None."""
         c = new._dtr.cell if type(new) is DTRTensor else None
-        if type(c) is not Storage or c.state is not _EVICTED or c.runtime is not self.rt or c.forward is not None:
-            return None  # a storage written in place since (Note [Versions]) holds another value
-        rec = c.parent
-        if type(rec) is not Call or rec.name not in scattered.SCATTERS:
+        s = c.storage if c is not None else None
+        rt = self.rt
+        if s is None or s.runtime is not rt or not rt.unmade or s not in rt.unmade or s.forward is not None:
+            # Made once (then evicted, it is rebuilt: only ``deferred_size`` vouches for the op's
+            # arguments), or written in place since (Note [Versions]): another value.
             return None
-        return rec
+        rec = s.parent
+        if type(rec) is not Call or rec.name not in scattered.DEFERRED:
+            return None
+        if c is s:
+            return rec, False
+        if rec.func is not scattered.MM or new.storage_offset():
+            return None
+        # A view laid over the product as the product itself, or as its transpose.
+        m, n = self.products[s]
+        if new.shape == (m, n) and new.is_contiguous():
+            return rec, False
+        if new.shape == (n, m) and new.t().is_contiguous():
+            return rec, True
+        return None
 
-    def _add_scattered(self, old: DTRTensor, rec: Call) -> Optional[DTRTensor]:
-        """``old += rec``'s output, where ``old``'s storage is a permanent running sum, without
-        making the output (``scattered.add_into``); None, changing nothing, where that cannot be
-        exact."""
+    def _add_scattered(self, old: DTRTensor, rec: Call, transposed: bool) -> Optional[DTRTensor]:
+        """``old += rec``'s output (or its transpose), where ``old``'s storage is a permanent
+        running sum, without making the output (``scattered.add_into``); None, changing nothing,
+        where that cannot be exact."""
         rt = self.rt
         total = old._dtr.cell
         inputs = [total, *rec.inputs]
@@ -268,7 +336,7 @@ class Gradients:
             vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
             value = total.value
             t0 = perf_counter()
-            done = scattered.add_into(value, rec.func, vals)
+            done = scattered.add_into(value, rec.func, vals, transposed)
             seconds = perf_counter() - t0
             if self.estimate:  # costed as the whole sum it stands for
                 seconds = estimate_seconds(_ADD_, (value, value), {}, (value,))

@@ -71,7 +71,7 @@ def _config() -> dict:
         "no_kwargs": NO_KWARGS, "first": FIRST, "FALLBACK": FALLBACK,
         "untrack_gc": collector.NATIVE, "FACTS": FACTS, "facts_for": facts_for,
         "current_node": getattr(torch._C, "_current_autograd_node", lambda: None),
-        "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor,
+        "ADD": torch.ops.aten.add.Tensor, "ADD_": torch.ops.aten.add_.Tensor, "MM": torch.ops.aten.mm.default,
         "ADD_FACTS": facts_for(torch.ops.aten.add_.Tensor), "EXTERNAL": EXTERNAL,
         "graph_task_id": torch._C._current_graph_task_id, "accumulation": accumulation,
     }
@@ -84,7 +84,7 @@ def _load():
         from dtr_ext import _hotpath
     except ImportError as e:
         return None, f"dtr_ext._hotpath is not built ({e})"
-    if getattr(_hotpath, "ABI_VERSION", None) != 4:
+    if getattr(_hotpath, "ABI_VERSION", None) != 5:
         return None, "dtr_ext._hotpath is from another version of dtr: reinstall dtr"
     try:
         _hotpath.bind(_config())

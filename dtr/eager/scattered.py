@@ -47,6 +47,28 @@ its own.
 
 Deferred ops are costed by the roofline estimate (cost.py) under either cost mode: they do not
 run, so there is no time to measure; a replay measures its own.
+
+Note [Outer products]
+~~~~~~~~~~~~~~~~~~~~~
+A weight that a loop reads one row at a time (a tree's node, a batch of one) gets, per read,
+a weight gradient that is an outer product: ``mm(g.t(), x)``, ``g`` 1 x m and ``x`` 1 x n, a
+full weight's size, which autograd sums into the weight's running sum (through ``t`` views, as
+a linear layer's backward lays it out). The bench TreeLSTMs make one of 3 to 6 MB per node
+beside running sums of 12.7 and 18.4 MB: at their lowest budgets it is what does not fit.
+
+Such an ``mm`` (one column by one row, in a backward pass) is deferred as the scatters are, and
+so are the views taken of it before it is made (``Views._defer_view``: a view cell without a
+value, over the unmade storage). A sum into a running sum that nothing else can see, whose
+addend is the product or its transpose, adds it a block of rows at a time (``add_into``):
+``total[r] += a[r] * b``. With one column each element of the product is one multiplication,
+``round(a_i * b_j)``, whatever kernel computes it, so every block's bits are the product's.
+The zero's sign is the exception: a kernel that starts from +0.0 and fuses the multiply with
+the add gives +0.0 where the product is -0.0, which changes a sum only where the running sum
+holds -0.0; ``add_into`` declines where it does (the output is then rebuilt), so the answer is
+eager's bits in every case. A float32 product is deferred only at the ``highest`` matmul
+precision, where the kernel multiplies the inputs unrounded (not as TF32 or bf16). A block (a
+quarter of the product, 64 KiB to 1 MiB) is the sum's working memory, as a kernel's scratch,
+not charged.
 """
 
 from __future__ import annotations
@@ -55,15 +77,25 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["SCATTERS", "add_into", "deferred_size"]
+__all__ = ["SCATTERS", "DEFERRED", "MM", "add_into", "deferred_size"]
 
 aten = torch.ops.aten
 _SELECT_BACKWARD = aten.select_backward.default
 _SLICE_BACKWARD = aten.slice_backward.default
 _EMBEDDING_BACKWARD = aten.embedding_dense_backward.default
+MM = aten.mm.default
 
-# Names of the ops deferred (ops.py marks their facts ``scatters``).
+# Names of the scatter ops (ops.py marks their facts ``scatters``, which keeps them off the
+# native path); ``mm`` stays ``simple``, and the native path hands it back in a backward pass.
 SCATTERS = frozenset(str(op) for op in (_SELECT_BACKWARD, _SLICE_BACKWARD, _EMBEDDING_BACKWARD))
+# Names of every op ``Gradients._defer`` may record without running.
+DEFERRED = SCATTERS | {str(MM)}
+
+# Bytes of one block of an outer product's rows (Note [Outer products]): a quarter of the
+# product, within these bounds (each block costs a few Python calls).
+_BLOCK = 1 << 20
+_SMALLEST_BLOCK = 1 << 16
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def deferred_size(func, args) -> Optional[List[int]]:
@@ -72,6 +104,14 @@ def deferred_size(func, args) -> Optional[List[int]]:
     grad = args[0]
     if not grad.is_floating_point() or grad.layout is not torch.strided:
         return None
+    if func is MM:
+        a, b = args
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != 1 or b.shape[0] != 1 or a.dtype not in _FLOATS
+                or b.dtype != a.dtype or b.layout is not torch.strided or b.device != a.device):
+            return None
+        if a.dtype is torch.float32 and not _full_float32():
+            return None
+        return [a.shape[0], b.shape[1]]
     if func is _EMBEDDING_BACKWARD:
         _, indices, num_weights, _, scale = args
         if scale or grad.device.type != "cpu" or not isinstance(num_weights, int):
@@ -85,9 +125,22 @@ def deferred_size(func, args) -> Optional[List[int]]:
     return list(sizes)
 
 
-def add_into(total: torch.Tensor, func, args) -> bool:
-    """``total += func(*args)`` in place, bit for bit, without making ``func(*args)`` (Note
-    [Scattered gradients]); False, with ``total`` unchanged, where it cannot be exact."""
+def _full_float32() -> bool:
+    """Whether a float32 ``mm`` multiplies its inputs as they are: no TF32 or bf16 rounding
+    of them (``torch.set_float32_matmul_precision``), which would give other bits than the
+    exact products ``add_into`` sums."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # set per backend (torch.backends.*.fp32_precision): not known here
+        return False
+
+
+def add_into(total: torch.Tensor, func, args, transposed: bool = False) -> bool:
+    """``total += func(*args)`` in place (``total += func(*args).t()`` where ``transposed``: an
+    outer product's), bit for bit, without making ``func(*args)`` (Notes [Scattered gradients],
+    [Outer products]); False, with ``total`` unchanged, where it cannot be exact."""
+    if func is MM:
+        return _add_outer(total.t() if transposed else total, *args)
     if func is _EMBEDDING_BACKWARD:
         return _add_rows(total, *args)
     if func is _SELECT_BACKWARD:
@@ -124,3 +177,29 @@ def _add_rows(total, grad, indices, num_weights, padding_idx, scale) -> bool:
     total.add_(0.0)
     total.index_add_(0, rows, part)
     return True
+
+
+def _add_outer(total, a, b) -> bool:
+    m = a.shape[0]
+    row = max(1, b.numel() * b.element_size())
+    rows = max(1, min(_BLOCK, max(_SMALLEST_BLOCK, m * row // 4)) // row)
+    if _may_hold_zero(a, b):  # a zero product's sign is the kernel's: see the running sum's zeros
+        for r in range(0, m, rows):
+            t = total[r : r + rows]
+            if bool((t == 0).logical_and_(t.signbit()).any()):
+                return False
+    block = torch.empty((min(rows, m), b.shape[1]), dtype=b.dtype, device=b.device)
+    for r in range(0, m, rows):
+        k = min(rows, m - r)
+        p = block[:k]
+        torch.mul(a[r : r + k], b, out=p)
+        total[r : r + k].add_(p)
+    return True
+
+
+def _may_hold_zero(a, b) -> bool:
+    """Whether some ``a_i * b_j`` may round to zero (or is NaN): a zero factor, or factors small
+    enough to underflow, judged against the dtype's smallest normal (a flushed subnormal is a
+    zero too)."""
+    low = float(a.abs().amin()) * float(b.abs().amin())  # in double: no underflow here
+    return not low >= torch.finfo(a.dtype).smallest_normal

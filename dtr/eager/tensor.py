@@ -15,7 +15,7 @@ import torch
 from dtr.core.rematerialize import rebuild_after_close
 from dtr.eager.escaped import run_escaped
 
-__all__ = ["DTRTensor", "make_wrapper", "wrapper_of_size"]
+__all__ = ["DTRTensor", "make_wrapper", "unmade_wrapper"]
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _strided = torch.strided
@@ -111,9 +111,11 @@ def make_wrapper(value: torch.Tensor, runtime, cell) -> DTRTensor:
     return w
 
 
-def wrapper_of_size(size, dtype: torch.dtype, device: torch.device, runtime, cell) -> DTRTensor:
-    """A new contiguous wrapper over ``cell``, which holds no value yet (``Runtime.defer``)."""
-    w = _make_wrapper_subclass(DTRTensor, size, None, None, None, dtype, _strided, device)
+def unmade_wrapper(stand_in: torch.Tensor, device: torch.device, runtime, cell) -> DTRTensor:
+    """A new wrapper on ``device`` over ``cell``, which holds no value yet (``Runtime.defer``),
+    laid out as ``stand_in`` (a meta tensor: its size, strides, offset and dtype)."""
+    w = _make_wrapper_subclass(DTRTensor, stand_in.size(), stand_in.stride(), stand_in.storage_offset(), None,
+                               stand_in.dtype, _strided, device)
     w._dtr = runtime.track(w, cell)
     return w
 

@@ -17,20 +17,41 @@ from time import perf_counter
 
 import torch
 
+from dtr.eager import scattered
 from dtr.eager.cost import estimate_seconds
 from dtr.eager.native import FIRST as _FIRST, NO_KWARGS as _NO_KWARGS
 from dtr.eager.ops import facts_for
 from dtr.eager.replay import Call
-from dtr.eager.tensor import DTRTensor, make_wrapper
+from dtr.eager.tensor import DTRTensor, make_wrapper, unmade_wrapper
 from dtr.errors import DTRError
 
 __all__ = ["Views"]
 
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_MM_NAME = str(scattered.MM)  # views of an outer product not yet made are deferred too
 
 
 class Views:
     """The driver's view ops (module docstring)."""
+
+    def _defer_view(self, facts, func, base: DTRTensor, args) -> DTRTensor:
+        """A view of an outer product not yet made (``Runtime.defer``), left unmade too: a view
+        cell without a value, laid out as the op lays out a meta stand-in of ``base`` (Note
+        [Outer products] in scattered.py). Reading it makes the product and the view, as a
+        replay."""
+        rt = self.rt
+        c = base._dtr.cell
+        i = facts.view_of
+        whole = torch.empty(c.storage.nbytes // base.element_size(), dtype=base.dtype, device="meta")
+        vals = list(args)
+        vals[i] = whole.as_strided(base.size(), base.stride(), base.storage_offset())
+        stand_in = facts.kernel(*vals)
+        targs = list(args)
+        targs[i] = None
+        seconds = estimate_seconds(func, vals, {}, (stand_in,), base.device.type)
+        call = Call(facts.name, [c], seconds, True, func, tuple(targs), None, ((i, -1, 0),), torch.is_grad_enabled())
+        call.fresh = _FIRST
+        return unmade_wrapper(stand_in, base.device, rt, rt.defer_view(call, c))
 
     def _run_view(self, facts, func, base: DTRTensor, args):
         """A view op of ``facts.one_view``, or of ``facts.list_view`` (``split``, ``chunk``,
@@ -48,6 +69,8 @@ class Views:
         if c.storage.forward is not None:
             c = ref.cell = rt.resolve(c)
         if c.value is None:
+            if facts.one_view and rt.unmade and c.storage in rt.unmade and c.storage.parent.name == _MM_NAME:
+                return self._defer_view(facts, func, base, args)
             return self._run(facts, func, args, {})
         i = facts.view_of
         many = facts.list_view

@@ -1,6 +1,6 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
-The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 3]): the
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 4]): the
 recorder logs each call the driver makes, with tensors named by cell ids, then runs it. The
 calls that are one method each (``trace.CALLS``) are logged by overrides made from that table;
 the others (an op, acquires, references) are written here. Calls
@@ -154,6 +154,16 @@ class RecordingRuntime(Runtime):
         event["out"] = [self._cid(s)]
         self._emit(event)
         return s
+
+    def defer_view(self, rec: OpRecord, base: Cell) -> Cell:
+        if self._depth:
+            return super().defer_view(rec, base)
+        event = self._op_event(rec, [], [[0, self._cid(base)]])
+        event["deferred"] = True
+        c = self._call(event, super().defer_view, rec, base, emit=False)
+        event["out"] = [self._cid(c)]
+        self._emit(event)
+        return c
 
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:

@@ -281,7 +281,8 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
         if kind == "op" and event.get("deferred"):
             inputs = [cell(c) for c in event["in"]]
             rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
-            cells[event["out"][0]] = rt.defer(rec, event["new"][0][0])
+            nbytes, base = event["new"][0]
+            cells[event["out"][0]] = rt.defer(rec, nbytes) if base is None else rt.defer_view(rec, cell(base))
         elif kind == "op":
             inputs = [cell(c) for c in event["in"]]
             if not event.get("acquired"):

@@ -4,9 +4,9 @@ A trace is a file of JSON objects, one per line (gzip-compressed when the name e
 ``.gz``). The first line is the header; then come blocks, one per ``dtr.budget`` block run
 with the engine, each a ``begin`` event, the events of the block and an ``end`` event.
 
-Note [Trace format, version 3]
+Note [Trace format, version 4]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Header: ``{"format": "dtr-trace", "version": 3, "heuristic": name, "cost": "auto"|"estimate",
+Header: ``{"format": "dtr-trace", "version": 4, "heuristic": name, "cost": "auto"|"estimate",
 "budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
 
 Events are the calls the driver made on its runtime, in order, so that replaying them through
@@ -29,7 +29,9 @@ simulator (simulator.py) both follow.
   room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked).
   ``"deferred": true`` when the op did not run: its one ``new`` storage is born evicted, to be
   computed by a replay if anything reads it, and ``in`` were not acquired (``Runtime.defer``:
-  a gradient scattered into zeros, Note [Scattered gradients] in eager/scattered.py).
+  a gradient scattered into zeros or an outer product, Notes [Scattered gradients] and [Outer
+  products] in eager/scattered.py); where its one ``new`` is a view of a base, the view is a
+  cell without a value over that unmade output (``Runtime.defer_view``).
 - ``{"e": "acquire", "cells": [...]}`` / ``{"e": "unlock", "cells": [...]}``: the program read
   tensors outside an op (``dtr.materialize``, a plain read); ``unlock`` also follows an op
   whose kernel failed.
@@ -60,8 +62,9 @@ simulator (simulator.py) both follow.
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
 
-Version 2 is version 3 without deferred ops, and loads as it is. Version 1 is version 2 with
-two more ways to say what a plan holds, which ``load`` rewrites into version 3's:
+Version 3 is version 4 without deferred views, and version 2 is version 3 without deferred
+ops: both load as they are. Version 1 is version 2 with two more ways to say what a plan
+holds, which ``load`` rewrites into version 4's:
 ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
 ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine protects a plan's
 checkpoints rather than locking them: a lock can make a budget infeasible), and
@@ -81,7 +84,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 __all__ = ["CALLS", "FORMAT", "VERSION", "CallEvent", "Trace", "TraceWriter", "load"]
 
 FORMAT = "dtr-trace"
-VERSION = 3
+VERSION = 4
 
 # How a runtime call's argument is written in an event: a cell by its id, a list of cells by
 # their ids, a list of storages by their root cells' ids, or a JSON value as it is.
@@ -219,7 +222,7 @@ def load(source: Union[str, Path, Trace]) -> Trace:
 
 
 def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
-    """A version 1 event in version 3's words (Note [Trace format, version 3])."""
+    """A version 1 event in version 4's words (Note [Trace format, version 4])."""
     kind = event.get("e")
     if kind == "pin" or kind == "unpin":
         return dict(event, e="protect" if kind == "pin" else "unprotect")
@@ -229,4 +232,4 @@ def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # version -> its events in the current version's words (None: they are already)
-_UPGRADES = {1: _from_version_1, 2: None}
+_UPGRADES = {1: _from_version_1, 2: None, 3: None}
