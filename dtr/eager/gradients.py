@@ -334,6 +334,9 @@ class Gradients:
         rt.acquire(inputs)
         try:
             vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
+            scratch = scattered.scratch_bytes(rec.func, vals)
+            if scratch:
+                rt.reserve_scratch(scratch, _ADD_FACTS.name)
             value = total.value
             t0 = perf_counter()
             done = scattered.add_into(value, rec.func, vals, transposed)

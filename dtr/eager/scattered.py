@@ -39,11 +39,11 @@ aside: which payload a bfloat16 NaN gets depends on the kernel's loop that write
   kernel sums in an order not checked to match on distinct indices).
 
 An embedding's sum allocates the distinct rows' sums and index maps while it runs: its working
-memory, as a kernel's scratch is, not charged (at most about the table's size, the output
-eager's op makes, where a batch reads every row; a hundredth of it for a tree of the bench
-TreeLSTM). A block recorded without a budget makes no room before ops (``RoomBeforeOps`` in
-sim/simulator.py emulates the driver's), so making room for it would need a trace event of
-its own.
+memory (at most about the table's size, the output eager's op makes, where a batch reads every
+row; a hundredth of it for a tree of the bench TreeLSTM). The driver makes room for the rows'
+sums first (``scratch_bytes``: as many rows as indices, at most the table's;
+``Runtime.reserve_scratch``, which traces record with or without a budget) and charges
+nothing once the sum is done.
 
 Deferred ops are costed by the roofline estimate (cost.py) under either cost mode: they do not
 run, so there is no time to measure; a replay measures its own.
@@ -67,8 +67,9 @@ the add gives +0.0 where the product is -0.0, which changes a sum only where the
 holds -0.0; ``add_into`` declines where it does (the output is then rebuilt), so the answer is
 eager's bits in every case. A float32 product is deferred only at the ``highest`` matmul
 precision, where the kernel multiplies the inputs unrounded (not as TF32 or bf16). A block (a
-quarter of the product, 64 KiB to 1 MiB) is the sum's working memory, as a kernel's scratch,
-not charged.
+quarter of the product, 64 KiB to 1 MiB) is the sum's working memory: the driver makes room
+for it before the sum (``scratch_bytes``, ``Runtime.reserve_scratch``) so that the true peak stays
+within the budget, and charges nothing once the sum is done.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["SCATTERS", "DEFERRED", "MM", "add_into", "deferred_size"]
+__all__ = ["SCATTERS", "DEFERRED", "MM", "add_into", "deferred_size", "scratch_bytes"]
 
 aten = torch.ops.aten
 _SELECT_BACKWARD = aten.select_backward.default
@@ -179,10 +180,27 @@ def _add_rows(total, grad, indices, num_weights, padding_idx, scale) -> bool:
     return True
 
 
+def scratch_bytes(func, args) -> int:
+    """Bytes of working memory ``add_into(total, func, args)`` allocates at most besides
+    ``total``: an outer product's block of rows, an embedding gradient's rows (as many as
+    indices, at most the table's); the driver makes room for them first."""
+    if func is MM:
+        a, b = args
+        return min(_block_rows(a, b), a.shape[0]) * b.numel() * b.element_size()
+    if func is _EMBEDDING_BACKWARD:
+        grad, indices, num_weights = args[:3]
+        return min(indices.numel(), num_weights) * grad.shape[-1] * grad.element_size()
+    return 0
+
+
+def _block_rows(a, b) -> int:
+    row = max(1, b.numel() * b.element_size())
+    return max(1, min(_BLOCK, max(_SMALLEST_BLOCK, a.shape[0] * row // 4)) // row)
+
+
 def _add_outer(total, a, b) -> bool:
     m = a.shape[0]
-    row = max(1, b.numel() * b.element_size())
-    rows = max(1, min(_BLOCK, max(_SMALLEST_BLOCK, m * row // 4)) // row)
+    rows = _block_rows(a, b)
     if _may_hold_zero(a, b):  # a zero product's sign is the kernel's: see the running sum's zeros
         for r in range(0, m, rows):
             t = total[r : r + rows]

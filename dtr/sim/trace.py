@@ -26,7 +26,9 @@ simulator (simulator.py) both follow.
   ``new`` are its other tensor outputs: a new storage of ``nbytes``, or a view of ``base``.
   ``out`` names the resulting cells. ``"acquired": true`` when the inputs were acquired by a
   separate ``acquire`` event just before (not again by the op). ``"reserve": nbytes`` when
-  room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked).
+  room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked);
+  ``"scratch": nbytes`` when room was made for its working memory (``Runtime.reserve_scratch``,
+  recorded with or without a budget; an outer product summed a block at a time).
   ``"deferred": true`` when the op did not run: its one ``new`` storage is born evicted, to be
   computed by a replay if anything reads it, and ``in`` were not acquired (``Runtime.defer``:
   a gradient scattered into zeros or an outer product, Notes [Scattered gradients] and [Outer
