@@ -64,9 +64,9 @@ simulator (simulator.py) both follow.
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
 
-Version 3 is version 4 without deferred views, and version 2 is version 3 without deferred
-ops: both load as they are. Version 1 is version 2 with two more ways to say what a plan
-holds, which ``load`` rewrites into version 4's:
+Version 3 is version 4 without deferred views and ``scratch``, and version 2 is version 3
+without deferred ops: both load as they are. Version 1 is version 2 with two more ways to say
+what a plan holds, which ``load`` rewrites into version 4's:
 ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
 ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine protects a plan's
 checkpoints rather than locking them: a lock can make a budget infeasible), and
