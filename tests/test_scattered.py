@@ -260,6 +260,55 @@ def test_summing_products_keeps_a_tree_within_its_budget(name):
     assert measured_peak(run) <= budget
 
 
+def test_a_sum_whose_working_memory_does_not_fit_makes_the_product_and_says_so():
+    """Between what the running sums need and what a block needs on top, the budget is
+    refused (as with the products made), not passed silently."""
+    model, x = row_workload()
+    weight = 256 * 256 * 4
+    for budget in (int(2.05 * weight), int(2.1 * weight), int(2.2 * weight)):
+        engine = dtr.budget(budget, cost="estimate")
+        try:
+            peak = _row_peak(model, x, engine)
+        except dtr.OutOfBudgetError:
+            continue
+        assert peak <= budget and engine.stats().peak_resident_bytes <= budget
+
+
+def test_an_embeddings_sum_stays_within_an_unlimited_runs_peak():
+    """The working memory of an embedding gradient's sum (its rows, the zero test's masks and
+    the index maps) is made room for: at a budget of the unlimited run's peak the true peak
+    stays within it (counting the rows alone, it passed it by half the table)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(4000, 128)
+    tokens = [torch.randperm(4000).view(1, 4000) for _ in range(4)]
+    w = torch.randn(128) * 0.1
+
+    def step(engine=None):
+        with engine if engine is not None else contextlib.nullcontext():
+            sum((emb(t) * w).tanh().sum() for t in tokens).backward()
+        emb.zero_grad(set_to_none=False)
+
+    step()  # .grad allocated once, as in a training loop
+    unlimited = dtr.budget(None, cost="estimate")
+    step(unlimited)
+    budget = unlimited.stats().peak_resident_bytes
+    assert measured_peak(lambda: step(dtr.budget(budget, cost="estimate"))) <= budget
+
+
+def test_an_empty_outer_product_runs_as_eagers():
+    lin = nn.Linear(4, 0, bias=False)
+    x = torch.randn(3, 4)
+
+    def grad(engine=None):
+        lin.weight.grad = None
+        with engine if engine is not None else contextlib.nullcontext():
+            sum(lin(x[t : t + 1]).sum() for t in range(3)).backward()
+        return lin.weight.grad
+
+    assert torch.equal(grad(dtr.budget(None)), grad())
+    assert scattered.deferred_size(aten.mm.default, [torch.randn(0, 1), torch.randn(1, 4)]) is None
+
+
 def test_an_outer_product_read_otherwise_is_made():
     """A weight read once by one row: its only gradient is the deferred product, through the
     linear layer's ``t`` views, which ``.grad`` and a hook read: replays make it, with eager's

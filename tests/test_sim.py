@@ -423,6 +423,7 @@ def test_every_call_event_replays_the_call_that_was_recorded(tmp_path):
         rt.make_permanent([b])
         rt.set_backward(True)
         rt.hold("w", 16)
+        rt.reserve_scratch(32, "a sum")
         rt.protect_new(True)
         rt.protect([c.storage])
         rt.unprotect(iter([c.storage]))  # any iterable, as the runtime takes

@@ -670,16 +670,21 @@ class Runtime:
             except OutOfBudgetError:
                 pass
 
-    def reserve_scratch(self, nbytes: int, opname: str) -> None:
+    def reserve_scratch(self, nbytes: int, opname: str) -> bool:
         """Make room, as ``reserve`` does, for ``nbytes`` of working memory the op about to
         complete allocates and frees itself (an outer product's block of rows: Note [Outer
-        products] in eager/scattered.py). It counts in the peak, as charged while the op runs,
-        so that a budget of an unlimited run's peak makes room for it without evicting; nothing
-        stays charged. A trace records it in unlimited blocks too, so that a simulation under a
-        budget makes the same room."""
+        products] in eager/scattered.py); whether it fits within the budget. It counts in the
+        peak, as charged while the op runs, so that a budget of an unlimited run's peak makes
+        room for it without evicting; nothing stays charged. Where it does not fit the caller
+        takes another way (the driver makes the product, which ``complete`` refuses loudly if
+        that does not fit either). Traces record it in unlimited blocks too, so that a
+        simulation under a budget makes the same room."""
         self.reserve(nbytes, opname)
+        if self.budget is not None and self.memory + nbytes > self.budget:
+            return False
         if self.memory + nbytes > self._high:
             self._high = self.memory + nbytes
+        return True
 
     def hold(self, key: Any, nbytes: int) -> None:
         """Charge ``nbytes`` the program holds under ``key`` (a parameter's gradient made in

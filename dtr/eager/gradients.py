@@ -176,8 +176,16 @@ class Gradients:
         else:
             old = args[0]
             new = args[1]
-            # ``new`` first: it may be a plain tensor of another layout, without strides.
-            if self._scattered(new) is not None and old.stride() == new.stride() and accumulation.dense(old):
+            # ``old`` from autograd's buffer, not a temporary of the running node's formula (as
+            # in ``_in_place``): the copy is made permanent. ``new`` before its strides: it may
+            # be a plain tensor of another layout, without them.
+            if (
+                self.node is not None
+                and s.sid < self.node_from
+                and self._scattered(new) is not None
+                and old.stride() == new.stride()
+                and accumulation.dense(old)
+            ):
                 return self._sum_into_copy(old, new)
             out = self._run(facts, _ADD, args, {})
             if type(out) is not DTRTensor:
@@ -335,11 +343,12 @@ class Gradients:
         try:
             vals, _ = fill(rec.args, None, rec.slots, lambda k: rec.inputs[k].value)
             scratch = scattered.scratch_bytes(rec.func, vals)
-            if scratch:
-                rt.reserve_scratch(scratch, _ADD_FACTS.name)
+            # Where its working memory does not fit, the output is made instead (and refused
+            # loudly if that does not fit either): never a silent pass of the budget.
+            fits = not scratch or rt.reserve_scratch(scratch, _ADD_FACTS.name)
             value = total.value
             t0 = perf_counter()
-            done = scattered.add_into(value, rec.func, vals, transposed)
+            done = fits and scattered.add_into(value, rec.func, vals, transposed)
             seconds = perf_counter() - t0
             if self.estimate:  # costed as the whole sum it stands for
                 seconds = estimate_seconds(_ADD_, (value, value), {}, (value,))

@@ -68,8 +68,9 @@ holds -0.0; ``add_into`` declines where it does (the output is then rebuilt), so
 eager's bits in every case. A float32 product is deferred only at the ``highest`` matmul
 precision, where the kernel multiplies the inputs unrounded (not as TF32 or bf16). A block (a
 quarter of the product, 64 KiB to 1 MiB) is the sum's working memory: the driver makes room
-for it before the sum (``scratch_bytes``, ``Runtime.reserve_scratch``) so that the true peak stays
-within the budget, and charges nothing once the sum is done.
+for it before the sum (``scratch_bytes``, ``Runtime.reserve_scratch``) so that the true peak
+stays within the budget, and charges nothing once the sum is done; where it cannot, the
+product is made instead.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def deferred_size(func, args) -> Optional[List[int]]:
         if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != 1 or b.shape[0] != 1 or a.dtype not in _FLOATS
                 or b.dtype != a.dtype or b.layout is not torch.strided or b.device != a.device):
             return None
-        if a.dtype is torch.float32 and not _full_float32():
-            return None
+        if not a.numel() or not b.numel() or (a.dtype is torch.float32 and not _full_float32()):
+            return None  # an empty product costs nothing to make
         return [a.shape[0], b.shape[1]]
     if func is _EMBEDDING_BACKWARD:
         _, indices, num_weights, _, scale = args
@@ -182,14 +183,18 @@ def _add_rows(total, grad, indices, num_weights, padding_idx, scale) -> bool:
 
 def scratch_bytes(func, args) -> int:
     """Bytes of working memory ``add_into(total, func, args)`` allocates at most besides
-    ``total``: an outer product's block of rows, an embedding gradient's rows (as many as
-    indices, at most the table's); the driver makes room for them first."""
+    ``total``; the driver makes room for them first. An outer product: a block of rows (the
+    zero test's masks before it are smaller), and the factors' magnitudes. An embedding
+    gradient: its rows (as many as indices, at most the table's) with the zero test's two
+    byte masks, and the distinct indices and index maps."""
     if func is MM:
         a, b = args
-        return min(_block_rows(a, b), a.shape[0]) * b.numel() * b.element_size()
+        block = min(_block_rows(a, b), a.shape[0]) * b.numel() * b.element_size()
+        return block + (a.numel() + b.numel()) * a.element_size()
     if func is _EMBEDDING_BACKWARD:
         grad, indices, num_weights = args[:3]
-        return min(indices.numel(), num_weights) * grad.shape[-1] * grad.element_size()
+        rows = min(indices.numel(), num_weights) * grad.shape[-1]
+        return rows * (grad.element_size() + 2) + 3 * indices.numel() * 8
     return 0
 
 

@@ -39,7 +39,6 @@ class RecordingRuntime(Runtime):
         self._pending: Optional[Tuple[Sequence[Cell], Dict[str, Any]]] = None
         self._acquired: Dict[tuple, int] = {}  # ids of acquired cells -> open acquires
         self._reserved = 0  # bytes made room for before the op now running (its op event says so)
-        self._scratch = 0  # and for its working memory
         writer.write({"e": "begin", "budget": budget})
 
     # ------------------------------------------------------------------ naming
@@ -113,7 +112,7 @@ class RecordingRuntime(Runtime):
         if n > 1:
             self._acquired[key] = n - 1
         self._emit({"e": "unlock", "cells": [self._cid(c) for c in cells]})
-        self._reserved = self._scratch = 0  # the op failed: no op event will carry them
+        self._reserved = 0  # the op failed: no op event will carry it
         self._call(None, super().unlock, cells)
 
     def complete(
@@ -141,9 +140,6 @@ class RecordingRuntime(Runtime):
         if self._reserved:
             event["reserve"] = self._reserved
             self._reserved = 0
-        if self._scratch:
-            event["scratch"] = self._scratch
-            self._scratch = 0
         outs = self._call(event, super().complete, rec, mutated, fresh, emit=False)
         event["out"] = [self._cid(c) for c in outs]
         self._emit(event)
@@ -176,12 +172,6 @@ class RecordingRuntime(Runtime):
         # event carries it, so that a replay makes room at the same point.
         self._reserved = nbytes
         self._call(None, super().reserve, nbytes, opname)
-
-    def reserve_scratch(self, nbytes: int, opname: str) -> None:
-        if self._depth:
-            return super().reserve_scratch(nbytes, opname)
-        self._scratch = nbytes  # the op event carries it, as ``reserve``
-        self._call(None, super().reserve_scratch, nbytes, opname)
 
     def close(self, failed: bool = False) -> None:
         try:

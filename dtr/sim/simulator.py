@@ -291,8 +291,6 @@ def run_block(rt: Runtime, events: List[Dict[str, Any]], room: Optional[RoomBefo
                 rt.reserve(event["reserve"], event["name"])
             elif emulate:
                 room.before(rt, event)  # type: ignore[union-attr]
-            if "scratch" in event:
-                rt.reserve_scratch(event["scratch"], event["name"])
             rec = OpRecord(event["name"], inputs, None, event["cost"], event["replayable"])
             mutated = [(cell(c).storage, _DATA) for c in event["mut"]]
             fresh = [(n, _DATA, None if b is None else cell(b)) for n, b in event["new"]]

@@ -26,9 +26,7 @@ simulator (simulator.py) both follow.
   ``new`` are its other tensor outputs: a new storage of ``nbytes``, or a view of ``base``.
   ``out`` names the resulting cells. ``"acquired": true`` when the inputs were acquired by a
   separate ``acquire`` event just before (not again by the op). ``"reserve": nbytes`` when
-  room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked);
-  ``"scratch": nbytes`` when room was made for its working memory (``Runtime.reserve_scratch``,
-  recorded with or without a budget; an outer product summed a block at a time).
+  room was made for the outputs before the kernel ran (``Runtime.reserve``, inputs locked).
   ``"deferred": true`` when the op did not run: its one ``new`` storage is born evicted, to be
   computed by a replay if anything reads it, and ``in`` were not acquired (``Runtime.defer``:
   a gradient scattered into zeros or an outer product, Notes [Scattered gradients] and [Outer
@@ -50,6 +48,9 @@ simulator (simulator.py) both follow.
 - ``{"e": "extract", "cell": cid}``: a storage handed to the program (``.grad``, materialize).
 - ``{"e": "hold", "key": k, "bytes": n}``: the program holds ``n`` bytes under ``k`` (a
   parameter's gradient made in the block), charged until the block ends (``Runtime.hold``).
+- ``{"e": "scratch", "bytes": n, "name": opname}``: room made for ``n`` bytes of working
+  memory the op about to complete allocates itself (``Runtime.reserve_scratch``: an outer
+  product summed a block at a time), recorded with or without a budget.
 - ``{"e": "flush"}``: lineage dropped (``optimizer.step()``, a write to a recorded constant).
 - ``{"e": "evict", "cells": [roots]}``: a plan drops these storages (those that can go) as
   soon as they are consumed.
@@ -64,7 +65,7 @@ simulator (simulator.py) both follow.
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
 
-Version 3 is version 4 without deferred views and ``scratch``, and version 2 is version 3
+Version 3 is version 4 without deferred views and ``scratch`` events, and version 2 is version 3
 without deferred ops: both load as they are. Version 1 is version 2 with two more ways to say
 what a plan holds, which ``load`` rewrites into version 4's:
 ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
@@ -121,6 +122,7 @@ CALLS: Dict[str, CallEvent] = {
         CallEvent("permanent", "make_permanent", (("cells", "roots", CELLS), ("yielding", "yielding", VALUE))),
         CallEvent("extract", "extract", (("cell", "cell", CELL),)),
         CallEvent("hold", "hold", (("key", "key", VALUE), ("bytes", "nbytes", VALUE))),
+        CallEvent("scratch", "reserve_scratch", (("bytes", "nbytes", VALUE), ("name", "opname", VALUE))),
         CallEvent("flush", "flush"),
         CallEvent("budget", "set_budget", (("budget", "limit", VALUE),), replayed=False),
         CallEvent("backward", "set_backward", (("on", "on", VALUE),)),
