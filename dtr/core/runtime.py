@@ -443,11 +443,7 @@ class Runtime:
         rec.outputs = [s]
         wire(self, rec, [s], now)
         self._evict(s)  # never charged beyond this call: it holds no data
-        if self.host is not None:
-            self.host.log.costs.append(0.0)  # the clock moved; the op cost nothing yet
-            self.host.after_op()
-        if self.on_op is not None:
-            self.on_op(self)
+        self._after_deferred_op()
         return s
 
     def defer_view(self, rec: OpRecord, base: Cell) -> Cell:
@@ -459,12 +455,15 @@ class Runtime:
         c = new_view(base.storage, rec, 0, None)
         rec.outputs = [_weak(c)]  # Note [Views held weakly]
         wire(self, rec, [], now)
+        self._after_deferred_op()
+        return c
+
+    def _after_deferred_op(self) -> None:
         if self.host is not None:
-            self.host.log.costs.append(0.0)
+            self.host.log.costs.append(0.0)  # the clock moved; the op cost nothing yet
             self.host.after_op()
         if self.on_op is not None:
             self.on_op(self)
-        return c
 
     def _new_storage(self, nbytes: int, rec: OpRecord, index: int, value: Any, now: int) -> Storage:
         self._sid += 1

@@ -174,7 +174,7 @@ def _add_rows(total, grad, indices, num_weights, padding_idx, scale) -> bool:
         if hit.numel():
             pad = int(hit[0, 0])
     part = _EMBEDDING_BACKWARD(grad, position.reshape(indices.shape), rows.numel(), pad, False)
-    if bool((part == 0).logical_and_(part.signbit()).any()):
+    if _holds_negative_zero(part):
         return False
     total.add_(0.0)
     total.index_add_(0, rows, part)
@@ -208,8 +208,7 @@ def _add_outer(total, a, b) -> bool:
     rows = _block_rows(a, b)
     if _may_hold_zero(a, b):  # a zero product's sign is the kernel's: see the running sum's zeros
         for r in range(0, m, rows):
-            t = total[r : r + rows]
-            if bool((t == 0).logical_and_(t.signbit()).any()):
+            if _holds_negative_zero(total[r : r + rows]):
                 return False
     block = torch.empty((min(rows, m), b.shape[1]), dtype=b.dtype, device=b.device)
     for r in range(0, m, rows):
@@ -218,6 +217,10 @@ def _add_outer(total, a, b) -> bool:
         torch.mul(a[r : r + k], b, out=p)
         total[r : r + k].add_(p)
     return True
+
+
+def _holds_negative_zero(t) -> bool:
+    return bool((t == 0).logical_and_(t.signbit()).any())
 
 
 def _may_hold_zero(a, b) -> bool:

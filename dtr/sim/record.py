@@ -148,22 +148,21 @@ class RecordingRuntime(Runtime):
     def defer(self, rec: OpRecord, nbytes: int) -> Storage:
         if self._depth:
             return super().defer(rec, nbytes)
-        event = self._op_event(rec, [], [[nbytes, None]])
-        event["deferred"] = True
-        s = self._call(event, super().defer, rec, nbytes, emit=False)
-        event["out"] = [self._cid(s)]
-        self._emit(event)
-        return s
+        return self._deferred(rec, [nbytes, None], super().defer, nbytes)
 
     def defer_view(self, rec: OpRecord, base: Cell) -> Cell:
         if self._depth:
             return super().defer_view(rec, base)
-        event = self._op_event(rec, [], [[0, self._cid(base)]])
+        return self._deferred(rec, [0, self._cid(base)], super().defer_view, base)
+
+    def _deferred(self, rec: OpRecord, new: List[Any], run, arg):
+        """Log a deferred op (``defer``, ``defer_view``: its one ``new`` output) and run it."""
+        event = self._op_event(rec, [], [new])
         event["deferred"] = True
-        c = self._call(event, super().defer_view, rec, base, emit=False)
-        event["out"] = [self._cid(c)]
+        out = self._call(event, run, rec, arg, emit=False)
+        event["out"] = [self._cid(out)]
         self._emit(event)
-        return c
+        return out
 
     def reserve(self, nbytes: int, opname: str) -> None:
         if self._depth:
