@@ -15,7 +15,10 @@ Sections:
    lower until a budget is infeasible or times out. Slowdown = simulated compute (recorded
    op costs plus the recomputations') / the recorded compute. A thrashing heuristic can
    take minutes near its lowest budget, so each simulation gets ``--sim-time-limit`` seconds
-   and is recorded as "timeout" past that.
+   and is recorded as "timeout" past that. ``--of-eager``: the fractions are of eager's true
+   peak instead (one eager step per model, by torch.profiler, gradients made by the step as
+   in the traces), the reference of issue 18's targets and of the DTR paper's curves; those
+   rows are section "sim_eager", and the plot draws such a model on that axis.
 3. ``--real``: real CPU steps of each model (``--real-heuristics``, default dtr_eq) at
    ``--real-fractions`` of the unlimited run's ``peak_resident_bytes`` (the same reference as
    the trace's simulated peak): wall time / eager's (medians of ``--repeats``; eager and dtr
@@ -38,7 +41,7 @@ is infeasible, times out or is >= 2x slower. Targets (with dtr_eq, ``TARGETS``):
 resnet <= 1.25x at 0.67 of the peak, transformer <= 1.10x at 0.6, treelstm <= 1.5x at 0.67; the
 dynamic models (``zoo.DYNAMIC``, issue 18): the TreeLSTMs <= 1.6x at 0.9, 1.8x at 0.67, 2.0x at
 0.45 (the DTR paper's TreeLSTM, drawn on their plots with its LSTM), the GRU and LSTM cell
-loops <= 1.5x at 0.5 and 2.0x at 0.3.
+loops <= 1.5x at 0.5 and 2.0x at 0.3, of eager's peak (``--of-eager``).
 
     python benchmarks/bench_sweep.py                           # simulated, about a minute
     python benchmarks/bench_sweep.py --real                    # + real CPU steps, ~15 minutes on 2 cores
@@ -98,6 +101,10 @@ TARGETS = (
     ("gru_cell", 0.5, 1.5), ("gru_cell", 0.3, 2.0), ("lstm_cell_masked", 0.5, 1.5), ("lstm_cell_masked", 0.3, 2.0),
 )
 CHAIN_MODELS = ("mlp", "cnn", "resnet", "transformer")
+# Row sections that the summary reads, and what their fractions are of.
+SECTIONS = {"sim": "simulated, fractions of dtr's unlimited peak",
+            "sim_eager": "simulated, fractions of eager's true peak",
+            "real": "real, fractions of dtr's unlimited peak"}
 # The DTR paper's measured slowdowns on a Titan V (its prototype's data files, via
 # shared/design/prior-art.md): budget / the baseline's peak -> slowdown. TreeLSTM (batch 9,
 # 8.9 GB): 8, 6, 4, 2 GB; LSTM (batch 256, 11.1 GB): 10 and 4 GB. Drawn on the tree and
@@ -134,15 +141,20 @@ def record(models: List[str], traces: Path) -> None:
 # ------------------------------------------------------------------------------ simulated
 
 
-def sweep_trace(path: Path, heuristics: List[str], fractions=FRACTIONS, limit: float = 30.0) -> Iterator[dict]:
+def sweep_trace(path: Path, heuristics: List[str], fractions=FRACTIONS, limit: float = 30.0,
+                eager_peak: Optional[int] = None) -> Iterator[dict]:
     """Rows of the simulated sweep of one trace: per heuristic, ``fractions`` (in order) of the
-    trace's unlimited peak until one is infeasible or runs past ``limit`` seconds."""
+    trace's unlimited peak until one is infeasible or runs past ``limit`` seconds. With
+    ``eager_peak`` (bytes), the fractions are of it instead: section "sim_eager"."""
     trace = load(path)
     peak = dtr.simulate(trace, None).peak_bytes
+    reference = peak if eager_peak is None else eager_peak
+    extra = {} if eager_peak is None else {"eager_true_peak_fresh_grads_bytes": eager_peak}
     for heuristic in heuristics:
         for f in fractions:
-            row = {"section": "sim", "model": path.name.split(".")[0], "heuristic": heuristic, "fraction": f,
-                   "budget_bytes": int(peak * f), "unlimited_peak_bytes": peak, "trace": path.name}
+            row = {"section": "sim" if eager_peak is None else "sim_eager", "model": path.name.split(".")[0],
+                   "heuristic": heuristic, "fraction": f, "budget_bytes": int(reference * f),
+                   "unlimited_peak_bytes": peak, **extra, "trace": path.name}
             row.update(_simulate(trace, row["budget_bytes"], heuristic, limit))
             yield row
             if row["status"] != "ok":
@@ -165,8 +177,19 @@ def _simulate(trace, budget: int, heuristic: str, limit: float) -> dict:
     return row
 
 
+def eager_peak(name: str) -> int:
+    """The true peak of one eager step of model ``name`` at the bench preset, with the gradients
+    created by the step (as the traces record it), by torch.profiler: the reference of the
+    issues' budget fractions."""
+    w = zoo.build(name, PRESET)
+    model = fresh_model(w)
+    timed_step(w, model)  # warm-up
+    return true_peaks(w, model, lambda: None, 0)["true_peak_fresh_grads_bytes"]
+
+
 def run_sim(args, base: dict, out) -> List[dict]:
-    print(f"\n## simulated: slowdown (compute / recorded compute) at budget fractions of the unlimited peak; "
+    of = "eager's true peak (torch.profiler)" if args.of_eager else "the unlimited peak"
+    print(f"\n## simulated: slowdown (compute / recorded compute) at budget fractions of {of}; "
           f"X infeasible, T timeout (> {args.sim_time_limit:g} s)")
     print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
@@ -176,7 +199,8 @@ def run_sim(args, base: dict, out) -> List[dict]:
             print(f"{name}: no trace at {path}; record it with --record")
             continue
         by_heuristic: Dict[str, List[dict]] = {}
-        for row in sweep_trace(path, args.heuristics, FRACTIONS, args.sim_time_limit):
+        reference = eager_peak(name) if args.of_eager else None
+        for row in sweep_trace(path, args.heuristics, FRACTIONS, args.sim_time_limit, reference):
             _emit(row, base, out)
             rows.append(row)
             by_heuristic.setdefault(row["heuristic"], []).append(row)
@@ -411,7 +435,7 @@ def _slowdown(row: dict) -> Optional[float]:
     """The row's slowdown: simulated compute ratio or real wall ratio; None if it did not run."""
     if row["status"] != "ok":
         return None
-    return row["slowdown"] if row["section"] == "sim" else row["ratio"]
+    return row["slowdown"] if row["section"].startswith("sim") else row["ratio"]
 
 
 def lowest_before(rows: List[dict], limit: float = SLOW) -> Optional[float]:
@@ -427,22 +451,22 @@ def lowest_before(rows: List[dict], limit: float = SLOW) -> Optional[float]:
 
 
 def summarize(rows: List[dict]) -> None:
-    for section in ("sim", "real"):
+    for section in SECTIONS:
         sweeps: Dict[tuple, List[dict]] = {}
         for r in rows:
             if r["section"] == section:
                 sweeps.setdefault((r["model"], r["heuristic"]), []).append(r)
         if not sweeps:
             continue
-        print(f"\n## lowest budget fraction before {SLOW:g}x slowdown ({section})")
+        print(f"\n## lowest budget fraction before {SLOW:g}x slowdown ({SECTIONS[section]})")
         heuristics = list(dict.fromkeys(h for _, h in sweeps))
         print(f"{'model':<16} " + " ".join(f"{h:>10}" for h in heuristics))
         for model in dict.fromkeys(m for m, _ in sweeps):
             cells = [lowest_before(sweeps[model, h]) if (model, h) in sweeps else "" for h in heuristics]
             print(f"{model:<16} " + " ".join(f"{'none' if c is None else c:>10}" for c in cells))
-    print(f"\n## targets ({TARGET_HEURISTIC}; fractions of the unlimited peak)")
+    print(f"\n## targets ({TARGET_HEURISTIC}; sections as above)")
     for model, fraction, target in TARGETS:
-        for section in ("sim", "real"):
+        for section in SECTIONS:
             match = [r for r in rows if r["section"] == section and r["model"] == model
                      and r["heuristic"] == TARGET_HEURISTIC and r["fraction"] == fraction]
             swept = [r for r in rows if r["section"] == section and r["model"] == model
@@ -454,7 +478,7 @@ def summarize(rows: List[dict]) -> None:
                 if last is None or last["status"] == "ok" or last["fraction"] < fraction:
                     continue  # not swept at the target's fraction
                 verdict = f"NOT met (not reached: {last['status']} at {last['fraction']:.2f})"
-            print(f"{model:<16} {section:<5} <= {target:.2f}x at {fraction:.2f}: {verdict}")
+            print(f"{model:<16} {section:<9} <= {target:.2f}x at {fraction:.2f}: {verdict}")
 
 
 def _verdict(row: dict, target: float) -> str:
@@ -483,9 +507,18 @@ def plot(rows: List[dict], path: Path) -> bool:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     colors: Dict[str, str] = {}
     for ax, name in zip(axes.flat, models):
-        for section, style in (("sim", "o-"), ("real", "x--")):
+        # A model swept at fractions of eager's peak is drawn on that axis, the paper's: its real
+        # points at their budgets over eager's peak.
+        eager = next((r["eager_true_peak_fresh_grads_bytes"] for r in rows
+                      if r["section"] == "sim_eager" and r["model"] == name), None)
+        sim = "sim" if eager is None else "sim_eager"
+
+        def x(r):
+            return r["fraction"] if eager is None or r["section"] == sim else r["budget_bytes"] / eager
+
+        for section, style in ((sim, "o-"), ("real", "x--")):
             for heuristic in dict.fromkeys(r["heuristic"] for r in rows if r["section"] == section):
-                pts = sorted((r["fraction"], _slowdown(r)) for r in rows if r["section"] == section
+                pts = sorted((x(r), _slowdown(r)) for r in rows if r["section"] == section
                              and r["model"] == name and r["heuristic"] == heuristic and _slowdown(r) is not None)
                 if pts:
                     color = colors.setdefault(heuristic, f"C{len(colors)}")
@@ -503,11 +536,11 @@ def plot(rows: List[dict], path: Path) -> bool:
         ax.axhline(SLOW, color="grey", linestyle=":", linewidth=1)
         # As in the paper's figure, up to 3x (past 2x a budget is hardly worth it), but high
         # enough for the real runs, whose wall ratios include the engine's per-op overhead.
-        real = [_slowdown(r) for r in rows if r["model"] == name and r["section"] != "sim" and _slowdown(r)]
+        real = [_slowdown(r) for r in rows if r["model"] == name and not r["section"].startswith("sim") and _slowdown(r)]
         ax.set_ylim(0.9, min(12.0, max([3.0] + [1.05 * s for s in real])))
         ax.set_xlim(0.05, 1.05)
         ax.set_title(name)
-        ax.set_xlabel("budget / unlimited peak")
+        ax.set_xlabel("budget / unlimited peak" if eager is None else "budget / eager's peak")
         ax.set_ylabel("slowdown")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
@@ -538,6 +571,9 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="record the traces first")
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--sim-time-limit", type=float, default=30.0, help="seconds per simulation")
+    ap.add_argument("--of-eager", action="store_true",
+                    help="simulated budgets are fractions of eager's true peak, as issue 18's targets are "
+                         "(measured by torch.profiler on one eager step per model; section sim_eager)")
     ap.add_argument("--real", action="store_true", help="also run real CPU steps and the checkpoint_sequential baseline")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated section (the plot keeps its latest run)")
     ap.add_argument("--real-heuristics", nargs="+", default=[TARGET_HEURISTIC])

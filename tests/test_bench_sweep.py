@@ -25,6 +25,16 @@ def test_simulated_sweep_rows():
     assert bench_sweep.lowest_before(rows) == 0.5
 
 
+def test_fractions_of_eagers_peak():
+    """``--of-eager``: the same trace at fractions of a given eager peak, in their own section."""
+    eager = 40 * 2**20  # below the trace's unlimited peak (50 MiB): the budget binds
+    rows = list(bench_sweep.sweep_trace(bench_sweep.TRACES / "cnn.jsonl.gz", ["dtr_eq"], [0.9], 30, eager))
+    (row,) = rows
+    assert row["section"] == "sim_eager" and row["budget_bytes"] == int(eager * 0.9)
+    assert row["eager_true_peak_fresh_grads_bytes"] == eager and row["unlimited_peak_bytes"] != eager
+    assert row["status"] == "ok" and row["evictions"] > 0 and row["peak_bytes"] <= row["budget_bytes"]
+
+
 def test_a_refused_real_point_keeps_its_error():
     """A real point refused by the budget is "infeasible", and its row says which error, at which
     op (OutOfBudgetError or ThrashingError: the remedies differ)."""
