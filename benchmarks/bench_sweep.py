@@ -52,7 +52,7 @@ loops <= 1.5x at 0.5 and 2.0x at 0.3, of eager's peak (``--of-eager``).
 
 Rows go to ``benchmarks/results/sweep.jsonl`` (commit, machine, torch, threads, load, the run's
 start time and the heuristics that existed then on each), or to ``--out``; ``results/sweep.png``
-(``--out``'s name ending in ``.png``, or ``--plot``) plots the latest run of each section when
+(``--out``'s name ending in ``.png``, or ``--plot``) plots each model's latest run of each section when
 matplotlib is installed. PyTorch runs with ``--threads`` intra-op
 threads (1 by default: on a shared 2-core machine two threads make timings swing).
 """
@@ -554,10 +554,11 @@ def plot(rows: List[dict], path: Path) -> bool:
 
 
 def latest_rows(path: Path) -> List[dict]:
-    """The rows of each section's latest run in ``path`` (sections may be run separately)."""
+    """The rows of each model's latest run of each section in ``path`` (sections, and models,
+    may be run separately)."""
     rows = [json.loads(line) for line in path.open()]
-    last = {r["section"]: r["run"] for r in rows}
-    return [r for r in rows if r["run"] == last[r["section"]]]
+    last = {(r["section"], r["model"]): r["run"] for r in rows}
+    return [r for r in rows if r["run"] == last[r["section"], r["model"]]]
 
 
 # ------------------------------------------------------------------------------ main
@@ -606,7 +607,7 @@ def main() -> None:
         rows = [] if args.no_sim else run_sim(args, base, out)
         if args.real:
             rows += run_real(args, base, out)
-    rows = latest_rows(args.out)  # with the other sections' latest runs, for the summary and plot
+    rows = latest_rows(args.out)  # with the other sections' and models' latest runs, for the summary and plot
     summarize(rows)
     print("\nplot:", args.plot if plot(rows, args.plot) else "skipped (matplotlib is not installed)")
     print(f"# done in {time.perf_counter() - start:.0f} s, load {os.getloadavg()[0]:.2f}; rows appended to {args.out}")

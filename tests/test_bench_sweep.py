@@ -1,5 +1,6 @@
 """The budget sweep's simulated section on a shipped trace: the rows it writes, in a second or two."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -50,3 +51,15 @@ def test_a_refused_real_point_keeps_its_error():
     assert row["status"] == "infeasible"
     assert row["error"].startswith("ThrashingError: dtr: aten.mm.default") and "\n" not in row["error"]
     assert bench_sweep.Failed("timeout after 1 s").fields() == {"status": "timeout after 1 s"}
+
+
+def test_the_summary_keeps_each_models_latest_run(tmp_path):
+    """A run of one model leaves the other models' latest rows of that section in the summary
+    and the plot, and replaces its own older ones."""
+    rows = [{"section": "real", "model": "a", "run": "1", "fraction": 1.0},
+            {"section": "real", "model": "b", "run": "1", "fraction": 1.0},
+            {"section": "real", "model": "a", "run": "2", "fraction": 0.5},
+            {"section": "sim", "model": "a", "run": "0", "fraction": 0.9}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench_sweep.latest_rows(path) == rows[1:]
