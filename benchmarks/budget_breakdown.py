@@ -4,7 +4,8 @@ against the replayed kernels it exists to run (issue 18: the recurrent loops' wa
 
 Workloads: the recurrent loops of ``bench_runtime.py`` (``gru_cell_small``: a ``GRUCell`` with
 batch 32 and hidden 128 over 100 steps; ``lstmcell``: the zoo's ``LSTMCell`` bench preset), and
-the bench presets of issue 18's sweep (``gru_cell``, ``lstm_cell_masked``, ``treelstm_batch``),
+the bench presets of issue 18's sweep (``gru_cell``, ``lstm_cell_masked``, ``treelstm_batch``,
+``treelstm_nary``),
 forward and backward, 1 intra-op thread. Per model and fraction: one engine at the fraction
 of the unlimited step's peak resident bytes, ``--warmup`` untimed steps, then ``--repeats``
 steps timed as they are, then ``--repeats`` steps with the phases timed in place
@@ -63,6 +64,7 @@ MODELS = {
     "gru_cell": ("gru_cell", {}),
     "lstm_cell_masked": ("lstm_cell_masked", {}),
     "treelstm_batch": ("treelstm_batch", {}),
+    "treelstm_nary": ("treelstm_nary", {}),
 }
 # (label, owner, attribute): each timed at its outermost call.
 PHASES = (
