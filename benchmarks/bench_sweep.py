@@ -108,8 +108,8 @@ SECTIONS = {"sim": "simulated, fractions of dtr's unlimited peak",
 # The DTR paper's measured slowdowns on a Titan V (its prototype's data files, via
 # shared/design/prior-art.md): budget / the baseline's peak -> slowdown. TreeLSTM (batch 9,
 # 8.9 GB): 8, 6, 4, 2 GB; LSTM (batch 256, 11.1 GB): 10 and 4 GB. Drawn on the tree and
-# recurrent models' plots for comparison (the paper's fractions are of eager's peak, ours of
-# dtr's unlimited one).
+# recurrent models' plots for comparison (the paper's fractions are of eager's peak, as ours are
+# with --of-eager; without it ours are of dtr's unlimited one).
 PAPER = {
     "TreeLSTM": [(8 / 8.9, 1.65), (6 / 8.9, 1.85), (4 / 8.9, 2.09), (2 / 8.9, 3.01)],
     "LSTM": [(10 / 11.1, 1.23), (4 / 11.1, 1.41)],
