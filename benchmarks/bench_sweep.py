@@ -177,14 +177,19 @@ def _simulate(trace, budget: int, heuristic: str, limit: float) -> dict:
     return row
 
 
-def eager_peak(name: str) -> int:
-    """The true peak of one eager step of model ``name`` at the bench preset, with the gradients
-    created by the step (as the traces record it), by torch.profiler: the reference of the
-    issues' budget fractions."""
+def eager_run(name: str):
+    """Model ``name`` at the bench preset, a fresh copy of its model after an eager warm-up step
+    (which also allocates the gradients ``true_peaks`` zeroes), and eager's ``true_peaks``."""
     w = zoo.build(name, PRESET)
     model = fresh_model(w)
-    timed_step(w, model)  # warm-up
-    return true_peaks(w, model, lambda: None, 0)["true_peak_fresh_grads_bytes"]
+    timed_step(w, model)
+    return w, model, true_peaks(w, model, lambda: None, 0)
+
+
+def eager_peak(name: str) -> int:
+    """The true peak of one eager step of model ``name`` with the gradients created by the step
+    (as the traces record it): the reference of the issues' budget fractions."""
+    return eager_run(name)[2]["true_peak_fresh_grads_bytes"]
 
 
 def run_sim(args, base: dict, out) -> List[dict]:
@@ -382,10 +387,7 @@ def run_real(args, base: dict, out) -> List[dict]:
           f"{'max/med':>7} {'less gc':>7} {'evict':>6} {'remat':>6} {'true MiB':>9} {'/eager':>6} {'fresh MiB':>9} {'/eager':>6}  status")
     rows = []
     for name in progress(args.models, "real steps"):
-        w = zoo.build(name, PRESET)
-        model = fresh_model(w)
-        timed_step(w, model)  # warm-up; it also allocates the gradients true_peaks zeroes
-        eager = true_peaks(w, model, lambda: None, 0)
+        w, model, eager = eager_run(name)
         probe = dtr.budget(None)
         timed_step(w, model, probe)
         peak = probe.stats().peak_resident_bytes
