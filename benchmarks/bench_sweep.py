@@ -89,6 +89,7 @@ HERE = Path(__file__).parent
 TRACES = HERE / "traces"
 RESULTS = HERE / "results"
 PRESET = "bench"
+LOOP_MODELS = ("gru_cell", "lstm_cell_masked")  # the zoo models whose loop calls ``model.cell`` (--loops)
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.67, 0.6, 0.5, 0.45, 0.4, 0.3, 0.2, 0.1)
 REAL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.67, 0.6, 0.5, 0.4, 0.3)
 SLOW = 2.0
@@ -99,6 +100,9 @@ TARGETS = (
     ("treelstm_batch", 0.9, 1.6), ("treelstm_batch", 0.67, 1.8), ("treelstm_batch", 0.45, 2.0),
     ("treelstm_nary", 0.9, 1.6), ("treelstm_nary", 0.67, 1.8), ("treelstm_nary", 0.45, 2.0),
     ("gru_cell", 0.5, 1.5), ("gru_cell", 0.3, 2.0), ("lstm_cell_masked", 0.5, 1.5), ("lstm_cell_masked", 0.3, 2.0),
+    # The same loops with their states as checkpoints (--loops).
+    ("gru_cell_loops", 0.5, 1.5), ("gru_cell_loops", 0.3, 2.0),
+    ("lstm_cell_masked_loops", 0.5, 1.5), ("lstm_cell_masked_loops", 0.3, 2.0),
 )
 CHAIN_MODELS = ("mlp", "cnn", "resnet", "transformer")
 # Row sections that the summary reads, and what their fractions are of.
@@ -117,28 +121,34 @@ PAPER = {
 PAPER_MODELS = {
     "treelstm": "TreeLSTM", "treelstm_batch": "TreeLSTM", "treelstm_nary": "TreeLSTM",
     "lstm": "LSTM", "lstmcell": "LSTM", "gru_cell": "LSTM", "lstm_cell_masked": "LSTM", "gru": "LSTM",
-    "lstm_packed": "LSTM",
+    "lstm_packed": "LSTM", "gru_cell_loops": "LSTM", "lstm_cell_masked_loops": "LSTM",
 }
 
 
 # ------------------------------------------------------------------------------ recording
 
 
-def record(models: List[str], traces: Path) -> None:
-    """Record one training step of each model into ``traces/<model>.jsonl.gz``."""
+def record(models: List[str], traces: Path, loops: bool = False) -> None:
+    """Record one training step of each model into ``traces/<model>.jsonl.gz`` (with
+    ``loops``: ``dtr.budget(loops=[model.cell])`` into ``traces/<model>_loops.jsonl.gz``)."""
     traces.mkdir(parents=True, exist_ok=True)
     print(f"## recording one '{PRESET}' training step per model into {traces}")
     for name in models:
         w = zoo.build(name, PRESET)
         model = fresh_model(w)
         timed_step(w, model)  # warm-up: first calls initialize kernels, which is not their cost
-        path = traces / f"{name}.jsonl.gz"
-        engine = dtr.budget(None, trace=path)
+        path = traces / f"{trace_name(name, loops)}.jsonl.gz"
+        engine = dtr.budget(None, trace=path, loops=[model.cell] if loops else None)
         timed_step(w, model, engine)
         print(f"{name:<16} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
 
 
 # ------------------------------------------------------------------------------ simulated
+
+
+def trace_name(model: str, loops: bool) -> str:
+    """The trace (and row) name of ``model``'s step, run with ``loops=[model.cell]`` or not."""
+    return f"{model}_loops" if loops else model
 
 
 def sweep_trace(path: Path, heuristics: List[str], fractions=FRACTIONS, limit: float = 30.0,
@@ -199,7 +209,7 @@ def run_sim(args, base: dict, out) -> List[dict]:
     print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
     for name in progress(args.models, "simulated"):
-        path = args.traces / f"{name}.jsonl.gz"
+        path = args.traces / f"{trace_name(name, args.loops)}.jsonl.gz"
         if not path.exists():
             print(f"{name}: no trace at {path}; record it with --record")
             continue
@@ -577,6 +587,9 @@ def main() -> None:
     ap.add_argument("--of-eager", action="store_true",
                     help="simulated budgets are fractions of eager's true peak, as issue 18's targets are "
                          "(measured by torch.profiler on one eager step per model; section sim_eager)")
+    ap.add_argument("--loops", action="store_true",
+                    help="record and simulate the cell loops (gru_cell, lstm_cell_masked) run with "
+                         "dtr.budget(loops=[model.cell]): traces and rows named <model>_loops")
     ap.add_argument("--real", action="store_true", help="also run real CPU steps and the checkpoint_sequential baseline")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated section (the plot keeps its latest run)")
     ap.add_argument("--real-heuristics", nargs="+", default=[TARGET_HEURISTIC])
@@ -602,8 +615,10 @@ def main() -> None:
     start = time.perf_counter()
     print(f"# {base['machine']}  torch {base['torch']}  threads {args.threads}  commit {base['commit']}  "
           f"heuristics {', '.join(available)}  load {os.getloadavg()[0]:.2f}")
+    if args.loops and (args.real or set(args.models) - set(LOOP_MODELS)):
+        ap.error(f"--loops: simulated only, and only for {', '.join(LOOP_MODELS)}")
     if args.record:
-        record(args.models, args.traces)
+        record(args.models, args.traces, args.loops)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
         rows = [] if args.no_sim else run_sim(args, base, out)

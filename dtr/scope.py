@@ -42,6 +42,7 @@ from dtr.eager import accumulation, crosscheck, data_parallel
 from dtr.eager.cost import COST_MODES
 from dtr.eager.driver import Driver
 from dtr.eager.mode import DTRMode
+from dtr.eager.loops import Loops, loop_modules
 from dtr.eager.seeding import Seeding, segments_of
 from dtr.eager.host_copies import measure_bandwidth
 from dtr.core import Counters, Heuristic, Runtime, Stats, make_heuristic
@@ -57,7 +58,7 @@ from dtr.timeline import Recorder, Timeline
 __all__ = ["Engine", "budget"]
 
 _local = threading.local()
-_OPTIONS = ("cost", "trace", "plan", "swap", "host_limit", "bandwidth", "total", "max_recompute", "timeline")
+_OPTIONS = ("cost", "trace", "plan", "loops", "swap", "host_limit", "bandwidth", "total", "max_recompute", "timeline")
 
 
 class Engine:
@@ -77,6 +78,7 @@ class Engine:
         cost: str = "auto",
         trace: Union[str, "os.PathLike[str]", None] = None,
         plan: Optional[Sequence[Any]] = None,
+        loops: Optional[Sequence[Any]] = None,
         swap: bool = False,
         host_limit: Union[int, str, None] = None,
         bandwidth: Optional[float] = None,
@@ -107,6 +109,7 @@ class Engine:
         self._cost = cost
         self.trace = trace
         self._seeding = Seeding(segments_of(plan)) if plan is not None else None
+        self._loops = Loops(loop_modules(loops)) if loops is not None else None
         if not isinstance(swap, bool):
             raise ValueError(f"dtr.budget: swap must be True or False, got {swap!r}")
         if not swap and (host_limit is not None or bandwidth is not None):
@@ -235,6 +238,8 @@ class Engine:
         self._driver = driver
         if self._seeding is not None:
             self._seeding.attach(driver)
+        if self._loops is not None:
+            self._loops.attach(driver)
         self._mode = DTRMode(driver)
         self._mode.__enter__()
         _local.engine = self
@@ -262,6 +267,8 @@ class Engine:
             mode.__exit__(exc_type, exc, tb)
             if self._seeding is not None:
                 self._seeding.detach()
+            if self._loops is not None:
+                self._loops.detach()
             self._gradient_bytes = rt.held_bytes  # the block's end stops charging them
             with rt.lock:
                 if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
@@ -449,6 +456,13 @@ def budget(
             rotor-optimal schedule for the segment's share of the budget is followed there
             (checkpoints pinned until their backward, the other activations dropped as the
             plan says); DTR handles everything else. ``engine.plans()`` shows the plans.
+        loops: modules called once per step of a loop over time (``[model.cell]`` for an
+            ``nn.LSTMCell`` or ``nn.GRUCell`` unrolled in Python, or a cell of one's own). The
+            tensors each call reads that were made in the block (the carried state) are kept as
+            checkpoints: evicted only when nothing else can go, and then so that those left
+            stay evenly spread over the steps (every other one first, then every fourth, ...),
+            so that the backward pass rebuilds a state from a few steps back rather than from
+            the start of the loop.
         swap: when True, a tensor can also be copied to host memory instead of evicted,
             whichever is cheaper (transfer time vs recomputation), and is copied back when
             needed, or ahead of need in the order the previous block needed it. Tensors the

@@ -166,8 +166,8 @@ class CheckedIndex(CandidateIndex):
 
     picks = 0
 
-    def __init__(self, heuristic, ordinary=None) -> None:
-        super().__init__(heuristic, ordinary)
+    def __init__(self, heuristic, ordinary=None, checkpoints=None) -> None:
+        super().__init__(heuristic, ordinary, checkpoints)
         self.heuristic = heuristic
 
     def begin(self, resident, now, small_below, protected_from=float("inf")):
@@ -182,6 +182,10 @@ class CheckedIndex(CandidateIndex):
         protected = [t for t in candidates if t.protected or t.backward or t.sid >= self.protected_from]
         unprotected = [t for t in candidates if t not in protected]
         pool = [t for t in unprotected if t.nbytes >= self._small_below] or protected or candidates
+        if pool is protected:  # a loop's checkpoints go by rank first (Note [Loop checkpoints])
+            rank = lambda t: self._checkpoints.get(t.sid, float("inf"))  # noqa: E731
+            low = min(map(rank, pool), default=None)
+            pool = [t for t in pool if rank(t) == low]
         if s is None:
             assert not pool, f"no victim picked among {len(pool)} candidates"
         else:

@@ -185,7 +185,7 @@ def test_trace_round_trip_and_gzip(tmp_path):
     with gzip.open(packed, "rt") as f:
         assert f.read() == plain.read_text()
     trace = load(plain)
-    assert trace.header["format"] == "dtr-trace" and trace.header["version"] == 4
+    assert trace.header["format"] == "dtr-trace" and trace.header["version"] == 5
     assert trace.header["cost"] == "estimate" and trace.header["heuristic"] == "dtr_eq"
     assert len(trace.blocks) == 1 and trace.blocks[0][0]["e"] == "begin" and trace.blocks[0][-1]["e"] == "end"
     kinds = {e["e"] for e in trace.blocks[0]}
@@ -376,7 +376,7 @@ def test_traces_mark_the_backward_pass(tmp_path):
 def test_version_1_traces_load_in_version_3_words(tmp_path):
     """A version 1 trace's pins (a plan's checkpoints locked between ops, as seeded runs once
     did) replay as protections, and its ``protect`` window event as ``protect_new`` (Note
-    [Trace format, version 4]): the pinned storage is now the last to go, not never."""
+    [Trace format, version 5]): the pinned storage is now the last to go, not never."""
     op = lambda n, out, ins=(): {"e": "op", "name": n, "cost": 1.0, "replayable": True,  # noqa: E731
                                  "in": list(ins), "mut": [], "new": [[100, None]], "out": [out]}
     events = [{"e": "begin", "budget": None}]
@@ -427,6 +427,7 @@ def test_every_call_event_replays_the_call_that_was_recorded(tmp_path):
         rt.protect_new(True)
         rt.protect([c.storage])
         rt.unprotect(iter([c.storage]))  # any iterable, as the runtime takes
+        rt.checkpoint([c.storage], 3)
         rt.protect_new(False)
         rt.set_backward(False)
         rt.evict([c.storage])

@@ -122,8 +122,10 @@ class CandidateIndex:
             whose native path is on hands the runtime), or None for the Python one.
     """
 
-    def __init__(self, heuristic, ordinary: Optional[Callable[["CandidateIndex"], Optional[Storage]]] = None) -> None:
+    def __init__(self, heuristic, ordinary: Optional[Callable[["CandidateIndex"], Optional[Storage]]] = None,
+                 checkpoints: Optional[Dict[int, int]] = None) -> None:
         self._key = heuristic.key
+        self._checkpoints = {} if checkpoints is None else checkpoints  # the runtime's: sid -> rank
         self._native = ordinary
         self._staleness = bool(getattr(heuristic, "staleness", True))
         self._lowered = getattr(heuristic, "lowered", None)
@@ -457,18 +459,22 @@ class CandidateIndex:
 
     def _best_of(self, rows: Iterable[tuple]) -> Optional[Storage]:
         """A last resort: the best candidate among ``rows`` ((slot, storage) pairs of the
-        protected or the stashed tier), by a scan (rare: nothing in an earlier tier can go)."""
+        protected or the stashed tier), by a scan (rare: nothing in an earlier tier can go):
+        a loop's checkpoint of the lowest rank first (Note [Loop checkpoints] in eviction.py),
+        then the lowest score."""
         best = None
         now = self._now
+        ranks = self._checkpoints
         for slot, s in list(rows):
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
             elif not s.locks and self._recomputable(s):
                 k = self._key(s)
                 score = k / (now - s.last_access + 1) if self._staleness else k
-                if best is None or (score, s.sid) < best[:2]:
-                    best = (score, s.sid, s)
-        return None if best is None else best[2]
+                order = (ranks.get(s.sid, _INF), score, s.sid)
+                if best is None or order < best[0]:
+                    best = (order, s)
+        return None if best is None else best[1]
 
     def _sweep(self) -> None:
         """Free the rows of storages that left memory without being evicted (released,

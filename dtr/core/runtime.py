@@ -39,7 +39,7 @@ import threading
 import weakref
 from collections import deque
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from dtr.core import collector, invariants, lineage
 from dtr.core.candidates import CandidateIndex
@@ -129,6 +129,7 @@ class Runtime:
         "_dead",
         "_sid",
         "_protected_from",
+        "checkpoints",
         "_backward",
         "kept_by_access",
         "versions_after_close",
@@ -208,6 +209,7 @@ class Runtime:
         self._dead: deque = deque()  # cells whose wrapper died, applied by drain()
         self._sid = 0
         self._protected_from = _CLOSED  # storages with a sid from this one on: PROTECTED
+        self.checkpoints: Dict[int, int] = {}  # sid -> rank of a loop's checkpoint (``checkpoint``)
         self._backward = False  # the program's ops run in a backward pass (``set_backward``)
         # Storages PROTECTED by the access in flight, not by a plan (Note [Rebuilt twice in one
         # access] in rematerialize.py): ``events.holdings`` tells the two apart.
@@ -506,9 +508,9 @@ class Runtime:
         if host is None and self._keyed:
             search = self._index
             if search is None:
-                search = self._index = CandidateIndex(self.heuristic, self.native_ordinary)
+                search = self._index = CandidateIndex(self.heuristic, self.native_ordinary, self.checkpoints)
         else:
-            search = Rescoring(self._score, host)
+            search = Rescoring(self._score, host, self.checkpoints)
         search.begin(self.resident, self.clock, self._small_below(), self._protected_from)
         while self.memory > target:
             if host is not None and host.outgoing and self.memory - host.outgoing_bytes() <= target:
@@ -641,6 +643,23 @@ class Runtime:
                 s = s.forward
             s.protected += 1
 
+    def checkpoint(self, storages: Iterable[Storage], rank: int) -> None:
+        """Keep ``storages`` as checkpoints of a loop (Note [Loop checkpoints] in eviction.py):
+        PROTECTED, and among the last resorts evicted in order of ``rank`` (lowest first).
+        A storage checkpointed again keeps its one protection and the higher rank. Ranks are
+        kept by storage id until the block ends; the protection follows a storage written in
+        place to its newest version (``protect``), the rank does not: that version is kept as
+        a plan's checkpoints are, after every ranked one."""
+        for s in storages:
+            while s.forward is not None:
+                s = s.forward
+            was = self.checkpoints.get(s.sid)
+            if was is None:
+                s.protected += 1
+                self.checkpoints[s.sid] = rank
+            elif rank > was:
+                self.checkpoints[s.sid] = rank
+
     def unprotect(self, storages: Iterable[Storage]) -> None:
         """Undo one ``protect(storages)``."""
         for s in storages:
@@ -764,6 +783,7 @@ class Runtime:
             self.budget = saved
             self.closed = True
             self._backward = False
+            self.checkpoints.clear()
             if self.host is not None:
                 self.host.land()
             if self._untrack is not None:

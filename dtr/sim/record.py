@@ -1,6 +1,6 @@
 """``RecordingRuntime``: a runtime that writes the calls its driver makes to a trace.
 
-The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 4]): the
+The runtime's public methods are the trace's vocabulary (trace.py, Note [Trace format, version 5]): the
 recorder logs each call the driver makes, with tensors named by cell ids, then runs it. The
 calls that are one method each (``trace.CALLS``) are logged by overrides made from that table;
 the others (an op, acquires, references) are written here. Calls

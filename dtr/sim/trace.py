@@ -4,9 +4,9 @@ A trace is a file of JSON objects, one per line (gzip-compressed when the name e
 ``.gz``). The first line is the header; then come blocks, one per ``dtr.budget`` block run
 with the engine, each a ``begin`` event, the events of the block and an ``end`` event.
 
-Note [Trace format, version 4]
+Note [Trace format, version 5]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Header: ``{"format": "dtr-trace", "version": 4, "heuristic": name, "cost": "auto"|"estimate",
+Header: ``{"format": "dtr-trace", "version": 5, "heuristic": name, "cost": "auto"|"estimate",
 "budget": bytes or null, "meta": {...}}`` (``meta`` is free-form: torch version, model, ...).
 
 Events are the calls the driver made on its runtime, in order, so that replaying them through
@@ -60,14 +60,17 @@ simulator (simulator.py) both follow.
   backward stage began), or no longer (``Runtime.protect_new``).
 - ``{"e": "protect", "cells": [roots]}`` / ``{"e": "unprotect", ...}``: these storages are a
   last resort from here on (a tape the plan holds), or no longer (``Runtime.protect``).
+- ``{"e": "checkpoint", "cells": [roots], "rank": r}``: these storages are a loop's
+  checkpoints of rank ``r`` (``Runtime.checkpoint``, ``dtr.budget(loops=...)``).
 - ``{"e": "budget", "budget": b}``: the program changed the budget (simulations at another
   budget ignore it).
 
 An event that raised ``OutOfBudgetError`` in the recorded run carries ``"error"``.
 
-Version 3 is version 4 without deferred views and ``scratch`` events, and version 2 is version 3
-without deferred ops: both load as they are. Version 1 is version 2 with two more ways to say
-what a plan holds, which ``load`` rewrites into version 4's:
+Version 4 is version 5 without ``checkpoint`` events, version 3 is version 4 without deferred
+views and ``scratch`` events, and version 2 is version 3 without deferred ops: they load as they
+are. Version 1 is version 2 with two more ways to say what a plan holds, which ``load`` rewrites
+into version 5's:
 ``{"e": "pin", "cells": [...]}`` / ``"unpin"`` (a plan's checkpoints locked resident between
 ops) become ``protect`` / ``unprotect`` of the cells' storages (the engine protects a plan's
 checkpoints rather than locking them: a lock can make a budget infeasible), and
@@ -87,7 +90,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 __all__ = ["CALLS", "FORMAT", "VERSION", "CallEvent", "Trace", "TraceWriter", "load"]
 
 FORMAT = "dtr-trace"
-VERSION = 4
+VERSION = 5
 
 # How a runtime call's argument is written in an event: a cell by its id, a list of cells by
 # their ids, a list of storages by their root cells' ids, or a JSON value as it is.
@@ -129,6 +132,7 @@ CALLS: Dict[str, CallEvent] = {
         CallEvent("protect_new", "protect_new", (("on", "on", VALUE),)),
         CallEvent("protect", "protect", (("cells", "storages", STORAGES),)),
         CallEvent("unprotect", "unprotect", (("cells", "storages", STORAGES),)),
+        CallEvent("checkpoint", "checkpoint", (("cells", "storages", STORAGES), ("rank", "rank", VALUE))),
         CallEvent("evict", "evict", (("cells", "storages", STORAGES),)),
     )
 }
@@ -226,7 +230,7 @@ def load(source: Union[str, Path, Trace]) -> Trace:
 
 
 def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
-    """A version 1 event in version 4's words (Note [Trace format, version 4])."""
+    """A version 1 event in version 5's words (Note [Trace format, version 5])."""
     kind = event.get("e")
     if kind == "pin" or kind == "unpin":
         return dict(event, e="protect" if kind == "pin" else "unprotect")
@@ -236,4 +240,4 @@ def _from_version_1(event: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # version -> its events in the current version's words (None: they are already)
-_UPGRADES = {1: _from_version_1, 2: None, 3: None}
+_UPGRADES = {1: _from_version_1, 2: None, 3: None, 4: None}
