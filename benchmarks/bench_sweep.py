@@ -36,6 +36,10 @@ Sections:
    embeddings and head run around them as ``GPT.forward`` does), eagerly: measured peak and
    wall ratio, plotted at x = its true peak / eager's true peak.
 
+``--loops``: the cell loops (``LOOP_MODELS``) with ``dtr.budget(loops=[model.cell])`` (their
+states kept as ranked checkpoints, Note [Loop checkpoints] in dtr/core/eviction.py), in every
+section: traces ``<model>_loops.jsonl.gz``, rows of model ``<model>_loops``.
+
 "Lowest fraction before 2x": going down from 1.0, the last fraction before the first one that
 is infeasible, times out or is >= 2x slower. Targets (with dtr_eq, ``TARGETS``):
 resnet <= 1.25x at 0.67 of the peak, transformer <= 1.10x at 0.6, treelstm <= 1.5x at 0.67; the
@@ -310,13 +314,15 @@ def _peak_fractions(row: dict, eager: dict) -> None:
         row[key.replace("_bytes", "_fraction")] = round(row[key] / eager[key], 4)
 
 
-def real_point(w, model, heuristic: str, budget: int, repeats: int, limit: float, eager: dict) -> dict:
+def real_point(w, model, heuristic: str, budget: int, repeats: int, limit: float, eager: dict,
+               loops: bool = False) -> dict:
     """One model, heuristic and budget for real: wall ratio, engine counts, true peaks over
-    eager's (``eager``: ``true_peaks`` of the eager step)."""
+    eager's (``eager``: ``true_peaks`` of the eager step); with ``loops``,
+    ``dtr.budget(loops=[model.cell])``."""
     engines = []
 
     def make():
-        engines.append(dtr.budget(budget, heuristic=heuristic))
+        engines.append(dtr.budget(budget, heuristic=heuristic, loops=[model.cell] if loops else None))
         return engines[-1]
 
     try:
@@ -401,12 +407,13 @@ def run_real(args, base: dict, out) -> List[dict]:
         probe = dtr.budget(None)
         timed_step(w, model, probe)
         peak = probe.stats().peak_resident_bytes
-        common = {"model": name, "unlimited_peak_bytes": peak, "eager_true_peak_bytes": eager["true_peak_bytes"],
+        common = {"model": trace_name(name, args.loops), "unlimited_peak_bytes": peak, "eager_true_peak_bytes": eager["true_peak_bytes"],
                   "eager_true_peak_fresh_grads_bytes": eager["true_peak_fresh_grads_bytes"]}
         for heuristic in args.real_heuristics:
             for f in args.real_fractions:
                 row = {"section": "real", "heuristic": heuristic, "fraction": f, "budget_bytes": int(peak * f), **common}
-                row.update(real_point(w, model, heuristic, row["budget_bytes"], args.repeats, args.time_limit, eager))
+                row.update(real_point(w, model, heuristic, row["budget_bytes"], args.repeats, args.time_limit, eager,
+                                      args.loops))
                 _emit(row, base, out)
                 rows.append(row)
                 print(_real_line(row), flush=True)
@@ -588,8 +595,8 @@ def main() -> None:
                     help="simulated budgets are fractions of eager's true peak, as issue 18's targets are "
                          "(measured by torch.profiler on one eager step per model; section sim_eager)")
     ap.add_argument("--loops", action="store_true",
-                    help="record and simulate the cell loops (gru_cell, lstm_cell_masked) run with "
-                         "dtr.budget(loops=[model.cell]): traces and rows named <model>_loops")
+                    help="the cell loops (gru_cell, lstm_cell_masked) run with dtr.budget(loops=[model.cell]), "
+                         "recorded, simulated and run for real: traces and rows named <model>_loops")
     ap.add_argument("--real", action="store_true", help="also run real CPU steps and the checkpoint_sequential baseline")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated section (the plot keeps its latest run)")
     ap.add_argument("--real-heuristics", nargs="+", default=[TARGET_HEURISTIC])
@@ -615,8 +622,8 @@ def main() -> None:
     start = time.perf_counter()
     print(f"# {base['machine']}  torch {base['torch']}  threads {args.threads}  commit {base['commit']}  "
           f"heuristics {', '.join(available)}  load {os.getloadavg()[0]:.2f}")
-    if args.loops and (args.real or set(args.models) - set(LOOP_MODELS)):
-        ap.error(f"--loops: simulated only, and only for {', '.join(LOOP_MODELS)}")
+    if args.loops and set(args.models) - set(LOOP_MODELS):
+        ap.error(f"--loops: only for {', '.join(LOOP_MODELS)}")
     if args.record:
         record(args.models, args.traces, args.loops)
     args.out.parent.mkdir(parents=True, exist_ok=True)
