@@ -345,11 +345,9 @@ def test_protection_ends():
     rt.check_invariants()
 
 
-@pytest.mark.parametrize("name", ["lru", ScoreOnly.name])
-def test_protect_and_unprotect_named_storages(name):
-    """``Runtime.protect`` on storages that already have an active row in the candidate index
-    (registered by an earlier round): they are passed over while others can go, and are the
-    stalest candidates again after ``unprotect``. Both searches."""
+def held_runtime(name):
+    """A runtime with heuristic ``name`` and ``make()``, which completes an op of one 10,000-byte
+    output that the program holds and returns its storage."""
     rt = Runtime(None, make_heuristic(name), FakeExecutor())
     held = []
 
@@ -360,6 +358,15 @@ def test_protect_and_unprotect_named_storages(name):
         rt.track(held[-1], c)
         return c.storage
 
+    return rt, make
+
+
+@pytest.mark.parametrize("name", ["lru", ScoreOnly.name])
+def test_protect_and_unprotect_named_storages(name):
+    """``Runtime.protect`` on storages that already have an active row in the candidate index
+    (registered by an earlier round): they are passed over while others can go, and are the
+    stalest candidates again after ``unprotect``. Both searches."""
+    rt, make = held_runtime(name)
     a = [make() for _ in range(4)]
     rt.set_budget(rt.memory - 10_000)  # a round: the stalest goes, the others get rows
     assert a[0].state is State.EVICTED

@@ -10,11 +10,10 @@ import json
 
 import pytest
 import torch
-from test_heuristics import Handle, ScoreOnly
-from test_runtime_stateful import FakeExecutor
+from test_heuristics import ScoreOnly, held_runtime
 
 import dtr
-from dtr.core import OpRecord, Runtime, State, make_heuristic
+from dtr.core import State
 from dtr.eager.loops import rank
 from dtr.testing import zoo
 from dtr.testing.step import assert_same, budget_at, fresh_model, run_step
@@ -25,26 +24,12 @@ def test_rank_is_how_often_two_divides_the_call():
     assert rank(0) > rank(1 << 40)  # the loop's first state outranks every other
 
 
-def _runtime(name):
-    rt = Runtime(None, make_heuristic(name), FakeExecutor())
-    held = []
-
-    def make():
-        rec = OpRecord(f"op{len(held)}", [], lambda vals, i=len(held): [i], cost=1.0)
-        (c,) = rt.complete(rec, [], [(10_000, len(held), None)])
-        held.append(Handle())
-        rt.track(held[-1], c)
-        return c.storage
-
-    return rt, make
-
-
 @pytest.mark.parametrize("name", ["dtr_eq", "lru", ScoreOnly.name])
 def test_checkpoints_are_last_resorts_evicted_by_rank(name):
     """Ordinary storages go first; then checkpoints, the lowest rank first (the heuristic
     decides within a rank); then the other protected storages. Both searches (the candidate
     index for ``dtr_eq`` and ``lru``, rescoring for a heuristic with only ``score``)."""
-    rt, make = _runtime(name)
+    rt, make = held_runtime(name)
     plain = make()
     ranked = [make() for _ in range(5)]
     other = make()  # protected by a plan, not a loop
@@ -64,7 +49,7 @@ def test_checkpoints_are_last_resorts_evicted_by_rank(name):
 
 
 def test_a_storage_checkpointed_again_keeps_one_protection_and_the_higher_rank():
-    rt, make = _runtime("dtr_eq")
+    rt, make = held_runtime("dtr_eq")
     s = make()
     rt.checkpoint([s], 1)
     rt.checkpoint([s], 0)
@@ -108,7 +93,7 @@ def test_the_trace_records_checkpoints_and_the_simulation_repeats_the_run(tmp_pa
     path = tmp_path / "loop.jsonl.gz"
     engine = dtr.budget(budget, cost="estimate", loops=[model.cell], trace=path)
     run = run_step(w, model, engine)
-    with torch.no_grad(), dtr.budget(None, loops=[model.cell], trace=tmp_path / "nograd.jsonl") as e:
+    with torch.no_grad(), dtr.budget(None, loops=[model.cell], trace=tmp_path / "nograd.jsonl"):
         w.loss_fn(model, w.batch)
     with gzip.open(path, "rt") as f:
         events = [json.loads(line) for line in f]

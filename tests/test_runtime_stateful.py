@@ -213,6 +213,14 @@ class RuntimeMachine(RuleBasedStateMachine):
         s = self.cell(a).storage
         self.rt.protect([s]) if on else self.rt.unprotect([s])
 
+    @rule(a=handles, rank=st.sampled_from([0, 1, 2, 64]))
+    def checkpoint(self, a, rank):
+        """A loop's checkpoint (Note [Loop checkpoints]): protected, and among the last
+        resorts evicted by rank."""
+        if a is None:
+            return
+        self.rt.checkpoint([self.cell(a).storage], rank)
+
     @precondition(lambda self: self.live)
     @rule()
     def flush(self):
