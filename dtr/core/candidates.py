@@ -469,9 +469,12 @@ class CandidateIndex:
             if self._rows[slot] is not s or s.state is not RESIDENT:
                 self._free_row(slot)
             elif not s.locks and self._recomputable(s):
+                rank = ranks.get(s.sid, _INF)
+                if best is not None and rank > best[0][0]:
+                    continue  # cannot win: no need to score it
                 k = self._key(s)
                 score = k / (now - s.last_access + 1) if self._staleness else k
-                order = (ranks.get(s.sid, _INF), score, s.sid)
+                order = (rank, score, s.sid)
                 if best is None or order < best[0]:
                     best = (order, s)
         return None if best is None else best[1]
