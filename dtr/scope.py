@@ -267,8 +267,6 @@ class Engine:
             mode.__exit__(exc_type, exc, tb)
             if self._seeding is not None:
                 self._seeding.detach()
-            if self._loops is not None:
-                self._loops.detach()
             self._gradient_bytes = rt.held_bytes  # the block's end stops charging them
             with rt.lock:
                 if isinstance(exc, OutOfBudgetError):  # one the mode did not see (a gradient hook's)
@@ -279,6 +277,8 @@ class Engine:
             if self._sampler is not None:
                 self._sampler.end(rt)
         finally:
+            if self._loops is not None:
+                self._loops.detach()
             if isinstance(driver.rt, RecordingRuntime):
                 driver.rt.writer.close()
             for h in self._hooks:

@@ -117,3 +117,19 @@ def test_a_module_named_twice_is_refused():
     cell = torch.nn.GRUCell(2, 2)
     with pytest.raises(ValueError, match="twice"):
         dtr.budget(None, loops=[cell, cell])
+
+
+def test_after_a_refused_step_the_engine_runs_the_next_with_eagers_gradients():
+    """A block that ends in ``OutOfBudgetError`` leaves no hook on the cell; the same engine,
+    given more room, runs the next step with eager's gradients."""
+    w = zoo.build("lstm_cell_masked", **MID)
+    eager = run_step(w, fresh_model(w))
+    free = run_step(w, fresh_model(w), None).stats
+    model = fresh_model(w)
+    engine = dtr.budget(free.gradient_bytes, cost="estimate", loops=[model.cell])
+    with pytest.raises(dtr.OutOfBudgetError):
+        run_step(w, model, engine)
+    assert not model.cell._forward_pre_hooks
+    engine.budget = budget_at(free, 0.3)
+    assert_same(eager, run_step(w, model, engine))
+    assert not model.cell._forward_pre_hooks
