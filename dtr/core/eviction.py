@@ -27,10 +27,11 @@ Candidates are tried in tiers, and a storage's tier is ``tier`` (the only defini
   frees next to nothing, and recomputing one (a scalar loss, say) can take a long chain.
 
 Among the last resorts, a loop's checkpoints go first, lowest rank first (Note [Loop
-checkpoints]). Protection and being made in a backward pass outrank size: a small protected storage is
-``PROTECTED``, not ``SMALL``. With a host tier, the swap-or-evict search also takes an ordinary
-storage that the previous block read within its prefetch lead of now as ``PROTECTED`` (Note
-[Needed soon] in host_tier.py): a rule of that search, which only a host tier's log informs.
+checkpoints]). Protection and being made in a backward pass outrank size: a small protected
+storage is ``PROTECTED``, not ``SMALL``. With a host tier, the swap-or-evict search also takes
+an ordinary storage that the previous block read within its prefetch lead of now as
+``PROTECTED`` (Note [Needed soon] in host_tier.py): a rule of that search, which only a host
+tier's log informs.
 
 Note [Gradients are a last resort]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

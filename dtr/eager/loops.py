@@ -34,7 +34,8 @@ def loop_modules(loops: Any) -> List[nn.Module]:
     """``loops`` checked: a sequence of distinct ``nn.Module``s."""
     if isinstance(loops, nn.Module) or not isinstance(loops, (list, tuple)):
         raise TypeError(
-            f"dtr.budget: loops must be a list of modules called once per step of a loop, got {type(loops).__name__}"
+            "dtr.budget: loops must be a list of modules called once per step of a loop, "
+            f"got {type(loops).__name__}"
         )
     for m in loops:
         if not isinstance(m, nn.Module):
@@ -61,6 +62,7 @@ class Loops:
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(m), with_kwargs=True))
 
     def detach(self) -> None:
+        """Remove the hooks (the block has ended)."""
         for h in self._handles:
             h.remove()
         self._handles = []
