@@ -37,7 +37,8 @@ class Report:
     Attributes:
         moment: which moment ``holdings`` describes (module docstring of dtr/explain.py).
         holdings: bytes charged to the budget then, by group (``GROUPS``: locked, protected by
-            a plan, not recomputable, activations, gradients, copies to host) and by the op that
+            a plan, loop checkpoints, made in backward, not recomputable, activations,
+            gradients, copies to host) and by the op that
             made them, largest first.
         evictions: evictions to meet the budget in the last block, by the op that made the
             evicted tensors, most expensive to recompute first (``seconds``: the op's recorded

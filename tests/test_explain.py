@@ -116,8 +116,8 @@ def test_thrashing_is_explained_with_its_replays_and_ratio(monkeypatch):
 
 
 def test_holdings_groups_on_the_engine():
-    """Every group of ``holdings`` on a bare runtime: locked, protected, made in a backward
-    pass, not recomputable, activations, gradients."""
+    """Every group of ``holdings`` on a bare runtime: locked, protected, a loop's checkpoint,
+    made in a backward pass, not recomputable, activations, gradients."""
     rt = Runtime(None, make_heuristic("dtr_eq"), SimExecutor())
 
     def op(name, nbytes, *inputs):
@@ -129,6 +129,8 @@ def test_holdings_groups_on_the_engine():
     b = op("make_b", 200, a)
     c = op("make_c", 400)
     op("make_d", 800, c)
+    f = op("make_f", 3200)
+    rt.checkpoint([f.storage], 0)
     rt.set_backward(True)
     op("make_e", 1600, a)
     rt.set_backward(False)
@@ -140,6 +142,7 @@ def test_holdings_groups_on_the_engine():
     assert got == {
         ("locked", "make_a"): 100,
         ("protected by a plan", "make_b"): 200,
+        ("loop checkpoints", "make_f"): 3200,
         ("not recomputable", "(lineage dropped)"): 400,
         ("activations", "make_d"): 800,
         ("made in backward", "make_e"): 1600,

@@ -27,6 +27,7 @@ __all__ = ["Events", "Failure", "Holding", "Tally", "holdings", "GROUPS"]
 GROUPS = (
     "locked",  # inputs and outputs of the op or replay in flight
     "protected by a plan",  # a plan keeps them (the PROTECTED tier, Note [Eviction tiers])
+    "loop checkpoints",  # dtr.budget(loops=...) keeps them (PROTECTED too, Note [Loop checkpoints])
     "made in backward",  # gradients in flight (the BACKWARD tier)
     "not recomputable",  # no replayable lineage: flushed, made permanent, non-replayable ops
     "activations",  # evictable: what DTR can drop and recompute
@@ -88,7 +89,7 @@ def holdings(rt: Any) -> List[Holding]:
         if s.locks:
             group = "locked"
         elif t == PROTECTED:
-            group = "protected by a plan"
+            group = "loop checkpoints" if s.sid in rt.checkpoints and s.protected == 1 else "protected by a plan"
         elif t == BACKWARD and s.recomputable:
             group = "made in backward"
         elif not s.recomputable:
