@@ -38,7 +38,10 @@ Sections:
 
 ``--loops``: the cell loops (``LOOP_MODELS``) with ``dtr.budget(loops=[model.cell])`` (their
 states kept as ranked checkpoints, Note [Loop checkpoints] in dtr/core/eviction.py), in every
-section: traces ``<model>_loops.jsonl.gz``, rows of model ``<model>_loops``.
+section: traces ``<model>_loops.jsonl.gz``, rows of model ``<model>_loops``. ``--set KEY=VALUE``
+overrides the bench preset (``--set trees=32``: a batch of 32 trees), traces and rows named
+``<model>-trees32``: where a step's fixed part (its weights' gradient sums) is a smaller share
+of its peak, lower fractions of it leave room for activations.
 
 "Lowest fraction before 2x": going down from 1.0, the last fraction before the first one that
 is infeasible, times out or is >= 2x slower. Targets (with dtr_eq, ``TARGETS``):
@@ -71,7 +74,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -132,27 +135,42 @@ PAPER_MODELS = {
 # ------------------------------------------------------------------------------ recording
 
 
-def record(models: List[str], traces: Path, loops: bool = False) -> None:
-    """Record one training step of each model into ``traces/<model>.jsonl.gz`` (with
-    ``loops``: ``dtr.budget(loops=[model.cell])`` into ``traces/<model>_loops.jsonl.gz``)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How the models run: with ``dtr.budget(loops=[model.cell])`` (``--loops``), and with
+    overrides of the bench preset (``--set``). Names its traces and rows."""
+
+    loops: bool = False
+    overrides: Tuple[Tuple[str, Any], ...] = ()
+
+    def name(self, model: str) -> str:
+        """``model``'s trace and row name: ``gru_cell_loops``, ``treelstm_batch-trees32``."""
+        sets = "".join(f"-{k}{'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in self.overrides)
+        return f"{model}{'_loops' if self.loops else ''}{sets}"
+
+    def build(self, model: str) -> zoo.Workload:
+        return zoo.build(model, PRESET, **dict(self.overrides))
+
+    def engine(self, limit: Optional[int], model: nn.Module, **options) -> dtr.Engine:
+        return dtr.budget(limit, loops=[model.cell] if self.loops else None, **options)
+
+
+def record(models: List[str], traces: Path, variant: Variant = Variant()) -> None:
+    """Record one training step of each model into ``traces/<name>.jsonl.gz``, ``name`` being
+    ``variant``'s for the model."""
     traces.mkdir(parents=True, exist_ok=True)
     print(f"## recording one '{PRESET}' training step per model into {traces}")
     for name in models:
-        w = zoo.build(name, PRESET)
+        w = variant.build(name)
         model = fresh_model(w)
         timed_step(w, model)  # warm-up: first calls initialize kernels, which is not their cost
-        path = traces / f"{trace_name(name, loops)}.jsonl.gz"
-        engine = dtr.budget(None, trace=path, loops=[model.cell] if loops else None)
+        path = traces / f"{variant.name(name)}.jsonl.gz"
+        engine = variant.engine(None, model, trace=path)
         timed_step(w, model, engine)
         print(f"{name:<16} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
 
 
 # ------------------------------------------------------------------------------ simulated
-
-
-def trace_name(model: str, loops: bool) -> str:
-    """The trace (and row) name of ``model``'s step, run with ``loops=[model.cell]`` or not."""
-    return f"{model}_loops" if loops else model
 
 
 def sweep_trace(path: Path, heuristics: List[str], fractions=FRACTIONS, limit: float = 30.0,
@@ -191,19 +209,20 @@ def _simulate(trace, budget: int, heuristic: str, limit: float) -> dict:
     return row
 
 
-def eager_run(name: str):
-    """Model ``name`` at the bench preset, a fresh copy of its model after an eager warm-up step
-    (which also allocates the gradients ``true_peaks`` zeroes), and eager's ``true_peaks``."""
-    w = zoo.build(name, PRESET)
+def eager_run(name: str, variant: Variant = Variant()):
+    """Model ``name`` at the bench preset (with ``variant``'s overrides), a fresh copy of its
+    model after an eager warm-up step (which also allocates the gradients ``true_peaks``
+    zeroes), and eager's ``true_peaks``."""
+    w = variant.build(name)
     model = fresh_model(w)
     timed_step(w, model)
     return w, model, true_peaks(w, model, lambda: None, 0)
 
 
-def eager_peak(name: str) -> int:
+def eager_peak(name: str, variant: Variant = Variant()) -> int:
     """The true peak of one eager step of model ``name`` with the gradients created by the step
     (as the traces record it): the reference of the issues' budget fractions."""
-    return eager_run(name)[2]["true_peak_fresh_grads_bytes"]
+    return eager_run(name, variant)[2]["true_peak_fresh_grads_bytes"]
 
 
 def run_sim(args, base: dict, out) -> List[dict]:
@@ -213,12 +232,12 @@ def run_sim(args, base: dict, out) -> List[dict]:
     print(f"{'model':<16} {'heuristic':<10} " + " ".join(f"{f:>5.2f}" for f in FRACTIONS) + f"  {'sim s':>6}")
     rows = []
     for name in progress(args.models, "simulated"):
-        path = args.traces / f"{trace_name(name, args.loops)}.jsonl.gz"
+        path = args.traces / f"{args.variant.name(name)}.jsonl.gz"
         if not path.exists():
             print(f"{name}: no trace at {path}; record it with --record")
             continue
         by_heuristic: Dict[str, List[dict]] = {}
-        reference = eager_peak(name) if args.of_eager else None
+        reference = eager_peak(name, args.variant) if args.of_eager else None
         for row in sweep_trace(path, args.heuristics, FRACTIONS, args.sim_time_limit, reference):
             _emit(row, base, out)
             rows.append(row)
@@ -315,14 +334,13 @@ def _peak_fractions(row: dict, eager: dict) -> None:
 
 
 def real_point(w, model, heuristic: str, budget: int, repeats: int, limit: float, eager: dict,
-               loops: bool = False) -> dict:
+               variant: Variant = Variant()) -> dict:
     """One model, heuristic and budget for real: wall ratio, engine counts, true peaks over
-    eager's (``eager``: ``true_peaks`` of the eager step); with ``loops``,
-    ``dtr.budget(loops=[model.cell])``."""
+    eager's (``eager``: ``true_peaks`` of the eager step); engines as ``variant`` makes them."""
     engines = []
 
     def make():
-        engines.append(dtr.budget(budget, heuristic=heuristic, loops=[model.cell] if loops else None))
+        engines.append(variant.engine(budget, model, heuristic=heuristic))
         return engines[-1]
 
     try:
@@ -403,17 +421,17 @@ def run_real(args, base: dict, out) -> List[dict]:
           f"{'max/med':>7} {'less gc':>7} {'evict':>6} {'remat':>6} {'true MiB':>9} {'/eager':>6} {'fresh MiB':>9} {'/eager':>6}  status")
     rows = []
     for name in progress(args.models, "real steps"):
-        w, model, eager = eager_run(name)
+        w, model, eager = eager_run(name, args.variant)
         probe = dtr.budget(None)
         timed_step(w, model, probe)
         peak = probe.stats().peak_resident_bytes
-        common = {"model": trace_name(name, args.loops), "unlimited_peak_bytes": peak, "eager_true_peak_bytes": eager["true_peak_bytes"],
+        common = {"model": args.variant.name(name), "unlimited_peak_bytes": peak, "eager_true_peak_bytes": eager["true_peak_bytes"],
                   "eager_true_peak_fresh_grads_bytes": eager["true_peak_fresh_grads_bytes"]}
         for heuristic in args.real_heuristics:
             for f in args.real_fractions:
                 row = {"section": "real", "heuristic": heuristic, "fraction": f, "budget_bytes": int(peak * f), **common}
                 row.update(real_point(w, model, heuristic, row["budget_bytes"], args.repeats, args.time_limit, eager,
-                                      args.loops))
+                                      args.variant))
                 _emit(row, base, out)
                 rows.append(row)
                 print(_real_line(row), flush=True)
@@ -583,6 +601,21 @@ def latest_rows(path: Path) -> List[dict]:
 # ------------------------------------------------------------------------------ main
 
 
+def _overrides(ap, pairs: List[str], models: List[str]) -> Dict[str, Any]:
+    """``--set``'s KEY=VALUE pairs, each a key of every model's bench preset."""
+    out: Dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            out[key] = tuple(int(v) for v in value.split(",")) if "," in value else int(value)
+        except ValueError:
+            ap.error(f"--set {pair}: expected KEY=INT or KEY=INT,INT")
+        for m in models:
+            if key not in zoo.PRESETS[m][PRESET]:
+                ap.error(f"--set {pair}: {m}'s preset has no {key!r} (it has {', '.join(zoo.PRESETS[m][PRESET])})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=zoo.MODELS + zoo.DYNAMIC, default=list(zoo.MODELS),
@@ -597,6 +630,9 @@ def main() -> None:
     ap.add_argument("--loops", action="store_true",
                     help="the cell loops (gru_cell, lstm_cell_masked) run with dtr.budget(loops=[model.cell]), "
                          "recorded, simulated and run for real: traces and rows named <model>_loops")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="override the bench preset of every model given (an int, or ints joined by commas for "
+                         "a range: trees=32, lengths=20,80): traces and rows named <model>-<key><value>")
     ap.add_argument("--real", action="store_true", help="also run real CPU steps and the checkpoint_sequential baseline")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated section (the plot keeps its latest run)")
     ap.add_argument("--real-heuristics", nargs="+", default=[TARGET_HEURISTIC])
@@ -624,8 +660,9 @@ def main() -> None:
           f"heuristics {', '.join(available)}  load {os.getloadavg()[0]:.2f}")
     if args.loops and set(args.models) - set(LOOP_MODELS):
         ap.error(f"--loops: only for {', '.join(LOOP_MODELS)}")
+    args.variant = Variant(args.loops, tuple(sorted(_overrides(ap, args.set, args.models).items())))
     if args.record:
-        record(args.models, args.traces, args.loops)
+        record(args.models, args.traces, args.variant)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
         rows = [] if args.no_sim else run_sim(args, base, out)
