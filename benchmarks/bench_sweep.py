@@ -128,7 +128,7 @@ PAPER = {
 PAPER_MODELS = {
     "treelstm": "TreeLSTM", "treelstm_batch": "TreeLSTM", "treelstm_nary": "TreeLSTM",
     "lstm": "LSTM", "lstmcell": "LSTM", "gru_cell": "LSTM", "lstm_cell_masked": "LSTM", "gru": "LSTM",
-    "lstm_packed": "LSTM", "gru_cell_loops": "LSTM", "lstm_cell_masked_loops": "LSTM",
+    "lstm_packed": "LSTM",
 }
 
 
@@ -562,7 +562,7 @@ def plot(rows: List[dict], path: Path) -> bool:
                     label = heuristic + (" (real wall)" if section == "real" else "")
                     ax.plot(*zip(*pts), style, color=color, label=label, markersize=4,
                             linewidth=2 if section == "real" else 1.2)
-        paper = PAPER_MODELS.get(name)
+        paper = PAPER_MODELS.get(name.split("-")[0].removesuffix("_loops"))  # a Variant's rows: its model's
         if paper is not None:
             ax.plot(*zip(*PAPER[paper]), "ks", markersize=5, fillstyle="none",
                     label=f"DTR paper's {paper} (GPU, wall)")
