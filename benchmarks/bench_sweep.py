@@ -148,6 +148,11 @@ class Variant:
         sets = "".join(f"-{k}{'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in self.overrides)
         return f"{model}{'_loops' if self.loops else ''}{sets}"
 
+    @staticmethod
+    def model_of(name: str) -> str:
+        """The zoo model a trace or row ``name`` (``name``'s result) is of."""
+        return name.split("-")[0].removesuffix("_loops")
+
     def build(self, model: str) -> zoo.Workload:
         return zoo.build(model, PRESET, **dict(self.overrides))
 
@@ -167,7 +172,7 @@ def record(models: List[str], traces: Path, variant: Variant = Variant()) -> Non
         path = traces / f"{variant.name(name)}.jsonl.gz"
         engine = variant.engine(None, model, trace=path)
         timed_step(w, model, engine)
-        print(f"{name:<16} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
+        print(f"{variant.name(name):<16} {engine.stats().ops:>6} ops  {path.stat().st_size / 1024:>7.1f} KiB", flush=True)
 
 
 # ------------------------------------------------------------------------------ simulated
@@ -562,7 +567,7 @@ def plot(rows: List[dict], path: Path) -> bool:
                     label = heuristic + (" (real wall)" if section == "real" else "")
                     ax.plot(*zip(*pts), style, color=color, label=label, markersize=4,
                             linewidth=2 if section == "real" else 1.2)
-        paper = PAPER_MODELS.get(name.split("-")[0].removesuffix("_loops"))  # a Variant's rows: its model's
+        paper = PAPER_MODELS.get(Variant.model_of(name))
         if paper is not None:
             ax.plot(*zip(*PAPER[paper]), "ks", markersize=5, fillstyle="none",
                     label=f"DTR paper's {paper} (GPU, wall)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence
 import torch
 from torch import nn
 
+from dtr.eager.output_size import flat_tensors
 from dtr.eager.seeding.segments import cells_of
 
 if TYPE_CHECKING:
@@ -77,8 +78,7 @@ class Loops:
                 return
             t = self._calls.get(key, 0)
             self._calls[key] = t + 1
-            tensors: List[torch.Tensor] = []
-            _flatten((args, kwargs), tensors)
+            tensors = flat_tensors([*args, *kwargs.values()])
             rt = d.rt
             with rt.lock:
                 storages = list({id(c.storage): c.storage for c in cells_of(rt, tensors)}.values())
@@ -87,13 +87,3 @@ class Loops:
 
         return pre
 
-
-def _flatten(x: Any, out: List[torch.Tensor]) -> None:
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            _flatten(y, out)
-    elif isinstance(x, dict):
-        for y in x.values():
-            _flatten(y, out)
